@@ -1,0 +1,42 @@
+# kvtier: two commands for users (`make demo`, `make test`); the rest for developers.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck unit soak bench clean
+
+# Set-up on first use. Without a GPU, torch is pinned to 2.13.0 first: on this
+# project's machines that version is a local CPU wheel, while an unpinned torch
+# would pull a multi-GB CUDA build. With nvidia-smi present, the library's own
+# range (pyproject.toml) lets pip pick the platform's CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install --quiet 'torch==2.13.0'; fi
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvtier demo
+
+test: unit lint typecheck
+
+unit: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check kvtier tests examples benchmarks
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+soak: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(PY) benchmarks/manager.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

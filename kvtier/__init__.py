@@ -1,0 +1,57 @@
+"""kvtier: asyncio tiered storage for the KV cache of LLM serving.
+
+GPU KV tensors -> pinned, page-aligned CPU region -> O_DIRECT files (io_uring).
+Only the names in ``__all__`` are the public API.
+"""
+
+from __future__ import annotations
+
+from kvtier.config import FileTierConfig, KVTierConfig
+from kvtier.errors import (
+    AlignmentError,
+    BlockNotFoundError,
+    BusyError,
+    CapacityError,
+    ClosedError,
+    ConfigurationError,
+    DirectIOUnsupportedError,
+    IntegrityError,
+    InvalidArgumentError,
+    KVTierError,
+    LayoutError,
+    NamespaceMismatchError,
+    ProtocolError,
+    SharedRegionError,
+    TierIOError,
+    TransferError,
+)
+from kvtier.keys import KEY_BYTES, chain_keys
+from kvtier.layout import KVLayout, TensorSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KEY_BYTES",
+    "AlignmentError",
+    "BlockNotFoundError",
+    "BusyError",
+    "CapacityError",
+    "ClosedError",
+    "ConfigurationError",
+    "DirectIOUnsupportedError",
+    "FileTierConfig",
+    "IntegrityError",
+    "InvalidArgumentError",
+    "KVLayout",
+    "KVTierConfig",
+    "KVTierError",
+    "LayoutError",
+    "NamespaceMismatchError",
+    "ProtocolError",
+    "SharedRegionError",
+    "TensorSpec",
+    "TierIOError",
+    "TransferError",
+    "__version__",
+    "chain_keys",
+]

@@ -1,0 +1,156 @@
+"""Configuration: frozen, validated models loadable from a dict or a TOML file.
+
+Sizes are bytes and accept strings with units (``"8GiB"``, ``"512 MB"``), parsed
+by pydantic's :class:`~pydantic.ByteSize`. Every invalid value raises
+:class:`~kvtier.errors.ConfigurationError` naming the field and the problem.
+
+Names follow vLLM's KV offloading where it has one (``cpu_bytes_to_use``,
+``blocks_per_chunk``, ``eviction_policy``).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, ValidationError
+
+from kvtier.errors import ConfigurationError
+
+__all__ = [
+    "DirectIOMode",
+    "EvictionPolicyName",
+    "FileTierConfig",
+    "IOEngineName",
+    "KVTierConfig",
+    "WritePolicy",
+]
+
+EvictionPolicyName = Literal["lru", "arc"]
+WritePolicy = Literal["write_through", "write_back"]
+IOEngineName = Literal["auto", "io_uring", "threads"]
+DirectIOMode = Literal["auto", "require", "off"]
+DurabilityMode = Literal["none", "fsync"]
+
+
+def _invalid(model: str, problems: list[tuple[str, str]]) -> ConfigurationError:
+    lines = "\n  ".join(f"{where}: {what}" for where, what in problems)
+    return ConfigurationError(f"invalid {model}:\n  {lines}", tuple(problems))
+
+
+def _problems(exc: ValidationError) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(part) for part in err["loc"])
+        # A nested model raised its own ConfigurationError, which pydantic wrapped:
+        # lift its problems out so the report is one flat list with full paths.
+        inner = err.get("ctx", {}).get("error")
+        if isinstance(inner, ConfigurationError) and inner.problems:
+            out.extend((f"{where}.{sub}" if where else sub, msg) for sub, msg in inner.problems)
+            continue
+        got = err.get("input")
+        shown = "" if isinstance(got, Mapping) else f" (got {got!r})"
+        msg = err["msg"].removeprefix("Value error, ")
+        out.append((where or "<root>", f"{msg}{shown}"))
+    return out
+
+
+def _non_negative_bytes(value: Any) -> Any:
+    # ByteSize reads -5 as an unparsable string; say what is wrong instead.
+    if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+        raise ValueError("must be a positive number of bytes")
+    return value
+
+
+Bytes = Annotated[ByteSize, BeforeValidator(_non_negative_bytes), Field(gt=0)]
+
+
+class _Frozen(BaseModel):
+    """Base: immutable, unknown keys rejected, validation errors re-raised as ours."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise _invalid(type(self).__name__, _problems(exc)) from exc
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
+        """Build and validate from a mapping (e.g. parsed JSON or TOML).
+
+        Raises
+        ------
+        ConfigurationError
+            When ``data`` is not a mapping or a field is invalid.
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigurationError(f"{cls.__name__} expects a mapping, got {type(data).__name__}")
+        return cls(**dict(data))
+
+
+class FileTierConfig(_Frozen):
+    """The O_DIRECT filesystem tier below the CPU region."""
+
+    root: Path
+    """Directory holding the tier (created with mode 0700 if missing)."""
+    bytes_to_use: Bytes
+    """Hard budget for block files on disk, in bytes (accepts ``"64GiB"``)."""
+    write_policy: WritePolicy = "write_through"
+    """``write_through``: every stored block is also written to disk;
+    ``write_back``: a block goes to disk only when the CPU tier evicts it."""
+    eviction_policy: EvictionPolicyName = "lru"
+    """Which blocks leave the file tier first when it is full."""
+    io_engine: IOEngineName = "auto"
+    """``io_uring``, ``threads`` (os.preadv / os.pwritev in a pool) or ``auto`` (probe)."""
+    direct_io: DirectIOMode = "auto"
+    """``require``: fail where O_DIRECT is refused; ``auto``: fall back to buffered
+    I/O with a warning; ``off``: buffered I/O."""
+    queue_depth: int = Field(default=32, ge=1, le=4096)
+    """Most I/O requests in flight at once."""
+    durability: DurabilityMode = "none"
+    """``fsync``: fsync each block file and its directory before it becomes
+    visible (survives power loss, costs a flush per block); ``none``: survives a
+    process crash, not a power loss."""
+
+
+class KVTierConfig(_Frozen):
+    """An engine instance: CPU region budget, offload granularity and the file tier."""
+
+    cpu_bytes_to_use: Bytes
+    """Budget of the CPU region in bytes, instance-wide (all workers together);
+    never exceeded (accepts ``"8GiB"``)."""
+    blocks_per_chunk: int = Field(default=1, ge=1, le=4096)
+    """Device blocks per offloaded block (one CPU row, one file)."""
+    eviction_policy: EvictionPolicyName = "lru"
+    """Which blocks leave the CPU region first when it is full."""
+    file_tier: FileTierConfig | None = None
+    """The filesystem tier, or ``None`` for a CPU-only cache."""
+    shared_region_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """Name of a CPU region in /dev/shm shared by several worker processes;
+    ``None`` maps a private anonymous region."""
+    world_size: int = Field(default=1, ge=1, le=1024)
+    """Worker processes sharing each row (tensor-parallel size)."""
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> Self:
+        """Load from a TOML file; a ``[kvtier]`` table is used if present.
+
+        Raises
+        ------
+        ConfigurationError
+            When the file cannot be read, is not TOML, or a field is invalid.
+        """
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigurationError(f"cannot read configuration file {path}: {exc}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigurationError(f"{path} is not valid TOML: {exc}") from exc
+        table = data.get("kvtier", data)
+        return cls.from_dict(table)
