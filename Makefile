@@ -27,7 +27,7 @@ unit: $(STAMP)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(PY) -m ruff check kvtier tests examples benchmarks
+	$(PY) -m ruff check .
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
