@@ -1,0 +1,228 @@
+"""Conformance suite for :class:`~kvtier.transfer.io_engine.IOEngine`.
+
+Subclass :class:`IOEngineSuite` once per engine and set :attr:`IOEngineSuite.kind`;
+pytest collects every test for it::
+
+    class TestUring(IOEngineSuite):
+        kind = "io_uring"
+
+The tests use real files opened with ``O_DIRECT`` under pytest's ``tmp_path``
+and page-aligned buffers from anonymous ``mmap``. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import mmap
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import ClassVar, Literal
+
+import pytest
+import pytest_asyncio
+
+from kvtier.errors import AlignmentError, ClosedError, InvalidArgumentError, TierIOError
+from kvtier.transfer.io_engine import IOEngine, open_io_engine
+
+__all__ = ["IOEngineSuite", "aligned_buffer"]
+
+PAGE = mmap.PAGESIZE
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """A page-aligned anonymous mapping of ``nbytes`` (what a CPU region row looks like)."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _pattern(nbytes: int, seed: int) -> bytes:
+    return bytes((i * 31 + seed) & 0xFF for i in range(256)) * (nbytes // 256)
+
+
+class IOEngineSuite:
+    """Checks every :class:`IOEngine` must pass; subclass and set :attr:`kind`."""
+
+    kind: ClassVar[Literal["io_uring", "threads"]]
+    """Engine under test, as :func:`open_io_engine` names it."""
+    queue_depth: ClassVar[int] = 4
+    """Small, so that the queue-overflow tests queue requests."""
+
+    @pytest_asyncio.fixture
+    async def engine(self) -> AsyncIterator[IOEngine]:
+        eng = await open_io_engine(self.kind, queue_depth=self.queue_depth)
+        try:
+            yield eng
+        finally:
+            await eng.aclose()
+
+    @pytest.fixture
+    def direct_fd(self, tmp_path: Path) -> Iterator[int]:
+        path = tmp_path / "data.bin"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            pytest.skip(f"O_DIRECT refused on {tmp_path}: {exc}")
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    # -- identity -----------------------------------------------------------------------
+
+    async def test_name_and_depth(self, engine: IOEngine) -> None:
+        assert engine.name == self.kind
+        assert engine.queue_depth == self.queue_depth
+        assert not engine.closed
+
+    # -- data ---------------------------------------------------------------------------
+
+    async def test_vectored_round_trip_direct(self, engine: IOEngine, direct_fd: int) -> None:
+        src = aligned_buffer(4 * PAGE)
+        src[:] = _pattern(4 * PAGE, 1)
+        view = memoryview(src)
+        wrote = await engine.writev(direct_fd, [view[:PAGE], view[PAGE:]], PAGE)
+        assert wrote == 4 * PAGE
+        dst = aligned_buffer(4 * PAGE)
+        dview = memoryview(dst)
+        got = await engine.readv(direct_fd, [dview[: 3 * PAGE], dview[3 * PAGE :]], PAGE)
+        assert got == 4 * PAGE
+        assert dst[:] == src[:]
+        # The hole before the written range reads back as zeros.
+        got = await engine.readv(direct_fd, [dview[:PAGE]], 0)
+        assert got == PAGE
+        assert dst[:PAGE] == bytes(PAGE)
+        del view, dview
+
+    async def test_short_read_at_end_of_file(self, engine: IOEngine, direct_fd: int) -> None:
+        buf = aligned_buffer(4 * PAGE)
+        view = memoryview(buf)
+        assert await engine.writev(direct_fd, [view[:PAGE]], 0) == PAGE
+        assert await engine.readv(direct_fd, [view], 0) == PAGE
+        assert await engine.readv(direct_fd, [view], 8 * PAGE) == 0
+        del view
+
+    async def test_many_requests_queue_beyond_depth(self, engine: IOEngine, direct_fd: int) -> None:
+        n = self.queue_depth * 8
+        buf = aligned_buffer(n * PAGE)
+        for i in range(n):
+            buf[i * PAGE : (i + 1) * PAGE] = bytes([i & 0xFF]) * PAGE
+        view = memoryview(buf)
+        writes = [
+            engine.writev(direct_fd, [view[i * PAGE : (i + 1) * PAGE]], i * PAGE) for i in range(n)
+        ]
+        assert await asyncio.gather(*writes) == [PAGE] * n
+        out = aligned_buffer(n * PAGE)
+        oview = memoryview(out)
+        reads = [
+            engine.readv(direct_fd, [oview[i * PAGE : (i + 1) * PAGE]], i * PAGE) for i in range(n)
+        ]
+        assert await asyncio.gather(*reads) == [PAGE] * n
+        assert out[:] == buf[:]
+        stats = engine.statistics()
+        assert stats.submitted == stats.completed == 2 * n
+        assert stats.max_in_flight <= self.queue_depth
+        assert stats.in_flight == stats.queued == stats.failed == 0
+        assert stats.bytes_written == stats.bytes_read == n * PAGE
+        del view, oview
+
+    async def test_buffered_fd_needs_no_alignment(self, engine: IOEngine, tmp_path: Path) -> None:
+        fd = os.open(tmp_path / "buffered.bin", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            data = bytearray(b"kvtier" * 7)
+            assert await engine.writev(fd, [memoryview(data)[1:], memoryview(b"!")], 3) == 42
+            out = bytearray(42)
+            assert await engine.readv(fd, [memoryview(out)], 3) == 42
+            assert bytes(out) == bytes(data[1:]) + b"!"
+        finally:
+            os.close(fd)
+
+    async def test_fsync(self, engine: IOEngine, direct_fd: int) -> None:
+        buf = aligned_buffer(PAGE)
+        await engine.writev(direct_fd, [memoryview(buf)], 0)
+        await engine.fsync(direct_fd)
+        assert engine.statistics().failed == 0
+
+    # -- refusals -----------------------------------------------------------------------
+
+    async def test_unaligned_buffer_refused_before_submission(
+        self, engine: IOEngine, direct_fd: int
+    ) -> None:
+        buf = aligned_buffer(2 * PAGE)
+        view = memoryview(buf)
+        before = engine.statistics().submitted
+        with pytest.raises(AlignmentError) as info:
+            engine.readv(direct_fd, [view[1 : PAGE + 1]], 0)
+        assert info.value.alignment == 4096
+        assert info.value.length == PAGE
+        assert info.value.address % 4096 == 1
+        with pytest.raises(AlignmentError):
+            engine.writev(direct_fd, [view[:100]], 0)  # length
+        with pytest.raises(AlignmentError):
+            engine.writev(direct_fd, [view[:PAGE]], 512)  # offset
+        with pytest.raises(AlignmentError, match="multiples of 8192"):
+            engine.writev(direct_fd, [view[:PAGE]], 0, alignment=8192)
+        assert engine.statistics().submitted == before
+        del view
+
+    async def test_invalid_requests(self, engine: IOEngine, direct_fd: int) -> None:
+        with pytest.raises(InvalidArgumentError):
+            engine.readv(direct_fd, [], 0)
+        with pytest.raises(InvalidArgumentError, match="read-only"):
+            engine.readv(direct_fd, [memoryview(bytes(PAGE))], 0, alignment=1)
+        buf = aligned_buffer(PAGE)
+        with pytest.raises(InvalidArgumentError):
+            engine.readv(direct_fd, [memoryview(buf)], -PAGE)
+
+    async def test_kernel_error_is_typed(self, engine: IOEngine, tmp_path: Path) -> None:
+        fd = os.open(tmp_path / "ro.bin", os.O_RDONLY | os.O_CREAT, 0o600)
+        try:
+            with pytest.raises(TierIOError) as info:
+                await engine.writev(fd, [memoryview(b"x")], 0)
+            assert info.value.errno == errno.EBADF
+        finally:
+            os.close(fd)
+        assert engine.statistics().failed == 1
+
+    # -- cancellation and closing -------------------------------------------------------
+
+    async def test_cancelled_awaiter_does_not_cancel_io(
+        self, engine: IOEngine, direct_fd: int
+    ) -> None:
+        buf = aligned_buffer(16 * PAGE)
+        buf[:] = _pattern(16 * PAGE, 5)
+        done = engine.writev(direct_fd, [memoryview(buf)], 0)
+
+        async def waiter() -> int:
+            return await done
+
+        task = asyncio.create_task(waiter())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await done == 16 * PAGE
+        out = aligned_buffer(16 * PAGE)
+        assert await engine.readv(direct_fd, [memoryview(out)], 0) == 16 * PAGE
+        assert out[:] == buf[:]
+
+    async def test_aclose_waits_for_in_flight_and_is_idempotent(self, direct_fd: int) -> None:
+        eng = await open_io_engine(self.kind, queue_depth=1)
+        buf = aligned_buffer(8 * PAGE)
+        view = memoryview(buf)
+        first = eng.writev(direct_fd, [view], 0)
+        queued = [eng.writev(direct_fd, [view], (i + 1) * 8 * PAGE) for i in range(3)]
+        await asyncio.sleep(0)  # let the first request reach the kernel
+        await eng.aclose()
+        assert eng.closed
+        assert first.done()
+        assert all(c.done() for c in queued)
+        # Requests still queued when closing either ran or failed as closed.
+        for c in queued:
+            if c.exception() is not None:
+                assert isinstance(c.exception(), ClosedError)
+        await eng.aclose()
+        with pytest.raises(ClosedError):
+            eng.readv(direct_fd, [view], 0)
+        del view
+        buf.close()  # no export left: the engine released every buffer
