@@ -1,0 +1,1 @@
+"""Storage tiers below the CPU region: the O_DIRECT file tier."""

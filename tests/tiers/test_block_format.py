@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtier.tiers._format import (
+    HEADER_BYTES,
+    BlockHeader,
+    HeaderError,
+    checksum,
+    decode_header,
+    encode_header,
+)
+
+
+@given(
+    key=st.binary(min_size=16, max_size=16),
+    ns=st.binary(min_size=16, max_size=16),
+    length=st.integers(min_value=0, max_value=2**40),
+    check=st.integers(min_value=0, max_value=2**64 - 1),
+)
+def test_header_round_trip(key: bytes, ns: bytes, length: int, check: int) -> None:
+    buf = bytearray(os.urandom(HEADER_BYTES))  # stale bytes must not leak into a header
+    header = BlockHeader(key=key, namespace=ns, payload_bytes=length, payload_checksum=check)
+    encode_header(memoryview(buf), header)
+    assert decode_header(memoryview(buf)) == header
+    assert buf[80:] == bytes(HEADER_BYTES - 80)
+
+
+@pytest.mark.parametrize(
+    ("at", "match"),
+    [(0, "magic"), (8, "version"), (20, "checksum"), (30, "checksum"), (75, "checksum")],
+    ids=["magic", "version", "length", "key", "header-checksum"],
+)
+def test_any_flipped_header_byte_is_refused(at: int, match: str) -> None:
+    buf = bytearray(HEADER_BYTES)
+    encode_header(memoryview(buf), BlockHeader(bytes(16), bytes(16), 4096, 1))
+    buf[at] ^= 0x40
+    with pytest.raises(HeaderError, match=match):
+        decode_header(memoryview(buf))
+
+
+def test_short_header_and_checksum() -> None:
+    with pytest.raises(HeaderError, match="shorter"):
+        decode_header(memoryview(bytes(100)))
+    assert checksum(memoryview(b"a" * 4096)) != checksum(memoryview(b"b" + b"a" * 4095))
