@@ -24,9 +24,10 @@ import pytest
 import pytest_asyncio
 
 from kvtier.errors import AlignmentError, ClosedError, InvalidArgumentError, TierIOError
+from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine, open_io_engine
 
-__all__ = ["IOEngineSuite", "aligned_buffer"]
+__all__ = ["FaultyEngine", "IOEngineSuite", "aligned_buffer"]
 
 PAGE = mmap.PAGESIZE
 
@@ -226,3 +227,66 @@ class IOEngineSuite:
             eng.readv(direct_fd, [view], 0)
         del view
         buf.close()  # no export left: the engine released every buffer
+
+
+class FaultyEngine(IOEngine):
+    """Wraps a real engine and makes chosen requests fail or come up short.
+
+    Faults are queued with :meth:`inject` and consumed by the next matching
+    requests. A failure completes the request with
+    :class:`~kvtier.errors.TierIOError` without submitting it; a short
+    transfer submits the real request minus its last ``short_by`` bytes, so
+    the kernel really does move fewer bytes.
+    """
+
+    def __init__(self, inner: IOEngine) -> None:
+        super().__init__(queue_depth=inner.queue_depth)
+        self._inner = inner
+        self._faults: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+
+    def inject(self, kind: Literal["read", "write"], *, err: int = 0, short_by: int = 0) -> None:
+        """Make the next ``kind`` request fail with ``err``, or transfer ``short_by`` less."""
+        self._faults[kind == "read"].append((err, short_by))
+
+    @property
+    def name(self) -> str:
+        return self._inner.name
+
+    @property
+    def closed(self) -> bool:
+        return self._inner.closed
+
+    def _submit_rw(
+        self, read: bool, fd: int, views: list[memoryview], offset: int
+    ) -> Completion[int]:
+        faults = self._faults[read]
+        err, short_by = faults.pop(0) if faults else (0, 0)
+        if err:
+            done: Completion[int] = Completion()
+            done.set_exception(TierIOError(err, f"injected {os.strerror(err)}"))
+            return done
+        if short_by:
+            views = _trim(views, short_by)
+        call = self._inner.readv if read else self._inner.writev
+        return call(fd, views, offset, alignment=1)
+
+    def _submit_fsync(self, fd: int) -> Completion[None]:
+        return self._inner.fsync(fd)
+
+    def _occupancy(self) -> tuple[int, int]:
+        stats = self._inner.statistics()
+        return stats.in_flight, stats.queued
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def _trim(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    out = list(views)
+    while nbytes and out:
+        last = out.pop()
+        if last.nbytes > nbytes:
+            out.append(last[: last.nbytes - nbytes])
+            break
+        nbytes -= last.nbytes
+    return out

@@ -33,6 +33,7 @@ from kvtier.errors import AlignmentError, ClosedError, InvalidArgumentError
 from kvtier.transfer.completion import Completion
 
 __all__ = [
+    "BYTES_IN_FLIGHT",
     "DEFAULT_DIRECT_ALIGNMENT",
     "IOV_MAX",
     "IOEngine",
@@ -40,6 +41,7 @@ __all__ = [
     "buffer_address",
     "open_io_engine",
     "probe_io_uring",
+    "suggested_queue_depth",
 ]
 
 log = logging.getLogger("kvtier.io")
@@ -335,6 +337,24 @@ class IOEngine(abc.ABC):
             alignment = DEFAULT_DIRECT_ALIGNMENT if flags & os.O_DIRECT else 1
         IOEngine.check_aligned(views, offset, alignment)
         return views
+
+
+BYTES_IN_FLIGHT = 8 << 20
+"""Bytes in flight that :func:`suggested_queue_depth` aims for."""
+
+
+def suggested_queue_depth(block_bytes: int, *, limit: int = 32) -> int:
+    """Queue depth for requests of ``block_bytes``: about 8 MiB in flight, 1 to ``limit``.
+
+    Measured on this project's disk with fio: small requests need a deep queue
+    to reach the device's bandwidth, but 2-8 MiB reads get slower with more
+    than a few in flight (the device splits them and the pieces contend).
+    Keeping the bytes in flight near 8 MiB gives 32 at 64 and 256 KiB, 4 at
+    2 MiB and 1 at 8 MiB.
+    """
+    if block_bytes <= 0:
+        raise InvalidArgumentError(f"block_bytes must be positive, got {block_bytes}")
+    return max(1, min(limit, BYTES_IN_FLIGHT // block_bytes))
 
 
 _probe_result: list[str | None] = []

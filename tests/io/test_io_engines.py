@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import errno
+import os
+from pathlib import Path
+
 import pytest
 
-from kvtier.errors import InvalidArgumentError
-from kvtier.testing.io_engine import IOEngineSuite
-from kvtier.transfer.io_engine import open_io_engine, probe_io_uring
+from kvtier.errors import AlignmentError, InvalidArgumentError, TierIOError
+from kvtier.testing.io_engine import PAGE, FaultyEngine, IOEngineSuite, aligned_buffer
+from kvtier.transfer.io_engine import open_io_engine, probe_io_uring, suggested_queue_depth
 
 _NO_URING = probe_io_uring()
 
@@ -33,3 +37,31 @@ async def test_auto_picks_io_uring_where_it_works() -> None:
 async def test_queue_depth_range(depth: int) -> None:
     with pytest.raises(InvalidArgumentError):
         await open_io_engine("threads", queue_depth=depth)
+
+
+@pytest.mark.parametrize(
+    ("block", "depth"),
+    [(64 << 10, 32), (256 << 10, 32), (2 << 20, 4), (8 << 20, 1), (64 << 20, 1)],
+    ids=["64KiB", "256KiB", "2MiB", "8MiB", "64MiB"],
+)
+def test_suggested_queue_depth(block: int, depth: int) -> None:
+    assert suggested_queue_depth(block) == depth
+
+
+async def test_faulty_engine_injects_real_failures(tmp_path: Path) -> None:
+    eng = FaultyEngine(await open_io_engine("threads", queue_depth=2))
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        buf = aligned_buffer(2 * PAGE)
+        eng.inject("write", err=errno.ENOSPC)
+        eng.inject("write", short_by=PAGE)
+        with pytest.raises(TierIOError) as info:
+            await eng.writev(fd, [memoryview(buf)], 0)
+        assert info.value.errno == errno.ENOSPC
+        assert await eng.writev(fd, [memoryview(buf)], 0) == PAGE
+        assert await eng.writev(fd, [memoryview(buf)], 0) == 2 * PAGE
+        with pytest.raises(AlignmentError):
+            eng.readv(fd, [memoryview(buf)[1:]], 0)
+    finally:
+        await eng.aclose()
+        os.close(fd)
