@@ -29,7 +29,7 @@ from kvtier.manager import (
     StorePlan,
 )
 
-__all__ = ["ResidencyManagerSuite", "key", "keys"]
+__all__ = ["ResidencyManagerSuite", "key", "keys", "serve"]
 
 
 def key(i: int) -> bytes:
@@ -180,20 +180,32 @@ class ResidencyManagerSuite:
 
     def test_store_never_evicts_its_own_keys(self) -> None:
         m = self.make(3)
-        self.fill(m, [1, 2, 3])
-        plan = m.prepare_store(keys(1, 2, 4))
+        for i in (1, 2, 3):
+            self.fill(m, [i])  # 1 is now the least recently used
+        plan = m.prepare_store(keys(1, 4))
         assert plan is not None
         assert plan.keys == (key(4),)
-        assert plan.evicted == (key(3),)
+        assert plan.evicted == (key(2),)
+        assert m.is_ready(key(1))
 
-    def test_store_never_evicts_pinned_or_being_written(self) -> None:
+    @pytest.mark.parametrize("busy", ["pinned", "being-written"])
+    def test_store_never_evicts_pinned_or_being_written(self, busy: str) -> None:
         m = self.make(3)
-        self.fill(m, [1, 2])
-        m.prepare_load(keys(1))
-        assert m.prepare_store(keys(3)) is not None  # being written
+        for i in (1, 2, 3):
+            self.fill(m, [i])  # 1 is now the least recently used
+        if busy == "pinned":
+            m.prepare_load(keys(1))
+        else:
+            m.remove(keys(1))
+            assert m.prepare_store(keys(1)) is not None  # 1 again, being written
         plan = m.prepare_store(keys(4))
         assert plan is not None
         assert plan.evicted == (key(2),)
+        plan = m.prepare_store(keys(5))
+        assert plan is not None
+        assert plan.evicted == (key(3),)
+        assert m.prepare_store(keys(6)) is None  # 1 is the only other block
+        assert key(1) in m
 
     def test_store_that_cannot_fit_returns_none_and_changes_nothing(self) -> None:
         m = self.make(3, events=True)
@@ -486,3 +498,21 @@ class ResidencyManagerSuite:
         assert m.lookup(keys(38, 39)) == 2  # the last stores cannot have been evicted yet
         slots = [m.slot_of(k) for k in keys(*range(40))]
         assert sorted(s for s in slots if s is not None) == [0, 1, 2, 3]
+
+
+def serve(m: ResidencyManager, request: list[bytes]) -> int:
+    """Play one request the way an engine does; return how many leading blocks hit.
+
+    Loads the ready prefix (pin, unpin), stores the rest, and touches the hit
+    prefix after the stores so that it outlives the new tail.
+    """
+    hits = m.lookup(request)
+    if hits:
+        m.prepare_load(request[:hits])
+        m.complete_load(request[:hits])
+    plan = m.prepare_store(request[hits:])
+    if plan is not None and plan.keys:
+        m.complete_store(list(plan.keys))
+    if hits:
+        m.touch(request[:hits])
+    return hits
