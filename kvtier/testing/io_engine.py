@@ -18,7 +18,7 @@ import mmap
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import pytest
 import pytest_asyncio
@@ -27,7 +27,7 @@ from kvtier.errors import AlignmentError, ClosedError, InvalidArgumentError, Tie
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine, open_io_engine
 
-__all__ = ["FaultyEngine", "IOEngineSuite", "aligned_buffer"]
+__all__ = ["FaultyEngine", "IOEngineSuite", "aligned_buffer", "cancel_one_awaiter"]
 
 PAGE = mmap.PAGESIZE
 
@@ -35,6 +35,22 @@ PAGE = mmap.PAGESIZE
 def aligned_buffer(nbytes: int) -> mmap.mmap:
     """A page-aligned anonymous mapping of ``nbytes`` (what a CPU region row looks like)."""
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+async def cancel_one_awaiter(done: Completion[Any]) -> None:
+    """Start a task awaiting ``done``, cancel it, and check that it was cancelled.
+
+    The work behind ``done`` must go on: callers then check that it completes.
+    """
+
+    async def waiter() -> object:
+        return await done
+
+    task = asyncio.create_task(waiter())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 def _pattern(nbytes: int, seed: int) -> bytes:
@@ -193,15 +209,7 @@ class IOEngineSuite:
         buf = aligned_buffer(16 * PAGE)
         buf[:] = _pattern(16 * PAGE, 5)
         done = engine.writev(direct_fd, [memoryview(buf)], 0)
-
-        async def waiter() -> int:
-            return await done
-
-        task = asyncio.create_task(waiter())
-        await asyncio.sleep(0)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_one_awaiter(done)
         assert await done == 16 * PAGE
         out = aligned_buffer(16 * PAGE)
         assert await engine.readv(direct_fd, [memoryview(out)], 0) == 16 * PAGE

@@ -36,6 +36,7 @@ __all__ = [
     "BYTES_IN_FLIGHT",
     "DEFAULT_DIRECT_ALIGNMENT",
     "IOV_MAX",
+    "EngineKind",
     "IOEngine",
     "IOEngineStatistics",
     "buffer_address",

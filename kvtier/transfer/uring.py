@@ -185,8 +185,8 @@ class UringEngine(IOEngine):
         if self._ops:
             if self._idle is None:
                 self._idle = self._loop.create_future()
-            # Shielded: the kernel may still write into caller memory; the ring is
-            # torn down by _on_eventfd once the last request is reaped.
+            # Shielded: the kernel may still write into caller memory, so the ring
+            # is torn down only after _on_eventfd has reaped the last request.
             await asyncio.shield(self._idle)
         self._release()
 

@@ -1,0 +1,489 @@
+"""The file tier on real O_DIRECT files, with both I/O engines."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import mmap
+import os
+import shutil
+import stat
+import subprocess
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from kvtier.config import FileTierConfig
+from kvtier.errors import (
+    AlignmentError,
+    BlockNotFoundError,
+    BusyError,
+    CapacityError,
+    ClosedError,
+    DirectIOUnsupportedError,
+    IntegrityError,
+    NamespaceMismatchError,
+    TierIOError,
+)
+from kvtier.layout import KVLayout, TensorSpec
+from kvtier.testing.io_engine import FaultyEngine, aligned_buffer, cancel_one_awaiter
+from kvtier.tiers._format import HEADER_BYTES
+from kvtier.tiers.file_tier import FileTier
+from kvtier.transfer.io_engine import EngineKind, IOEngine, open_io_engine, probe_io_uring
+
+BLOCK = 8192
+FILE = HEADER_BYTES + BLOCK
+ENGINES = ["threads"] if probe_io_uring() else ["io_uring", "threads"]
+
+
+def make_layout(model: str = "m") -> KVLayout:
+    spec = TensorSpec(name="kv", shape=(8, 2048), dtype="float16", itemsize=2, kv_first=False)
+    return KVLayout(tensors=(spec,), model_id=model, block_tokens=16)
+
+
+def keys(n: int, salt: int = 0) -> list[bytes]:
+    return [bytes([salt, i]) * 8 for i in range(n)]
+
+
+class Rows:
+    """Page-aligned rows in one anonymous mapping, like a CPU region."""
+
+    def __init__(self, n: int) -> None:
+        self.map = aligned_buffer(n * BLOCK)
+        self.n = n
+
+    def row(self, i: int) -> memoryview:
+        return memoryview(self.map)[i * BLOCK : (i + 1) * BLOCK]
+
+    def rows(self) -> list[memoryview]:
+        return [self.row(i) for i in range(self.n)]
+
+    def fill(self, seed: int) -> Rows:
+        for i in range(self.n):
+            self.map[i * BLOCK : (i + 1) * BLOCK] = bytes([(seed + i) & 0xFF]) * BLOCK
+        return self
+
+
+OpenTier = Callable[..., Any]
+
+
+@pytest.fixture(params=ENGINES)
+def engine_kind(request: pytest.FixtureRequest) -> EngineKind:
+    kind: EngineKind = request.param
+    return kind
+
+
+@pytest_asyncio.fixture
+async def open_tier(tmp_path: Path, engine_kind: EngineKind) -> AsyncIterator[OpenTier]:
+    opened: list[FileTier] = []
+
+    async def _open(
+        *,
+        root: Path | None = None,
+        blocks: int = 16,
+        layout: KVLayout | None = None,
+        io_engine: IOEngine | None = None,
+        **cfg: Any,
+    ) -> FileTier:
+        config = FileTierConfig(
+            root=root or tmp_path / "tier",
+            bytes_to_use=blocks * FILE,
+            io_engine=engine_kind,
+            queue_depth=4,
+            **cfg,
+        )
+        tier = await FileTier.open(
+            config, layout or make_layout(), block_bytes=BLOCK, io_engine=io_engine
+        )
+        opened.append(tier)
+        return tier
+
+    yield _open
+    for tier in opened:
+        await tier.aclose()
+
+
+def block_files(tier: FileTier) -> list[Path]:
+    return sorted(p for p in (tier.path / "blocks").rglob("*") if not p.is_dir())
+
+
+# -- round trips ------------------------------------------------------------------------
+
+
+async def test_store_load_round_trip(open_tier: OpenTier, engine_kind: EngineKind) -> None:
+    tier = await open_tier()
+    ks = keys(5)
+    src = Rows(5).fill(1)
+    result = await tier.store(ks, src.rows())
+    assert result.stored == tuple(ks)
+    assert not result.failed
+    assert not result.skipped
+    assert tier.lookup(ks) == 5
+    assert all(k in tier and tier.is_ready(k) for k in ks)
+    dst = Rows(5)
+    loaded = await tier.load(ks, dst.rows())
+    assert loaded.loaded == tuple(ks)
+    assert not loaded.missing
+    assert dst.map[:] == src.map[:]
+    again = await tier.store(ks[:2], src.rows()[:2])
+    assert again.skipped == tuple(ks[:2])
+    assert again.stored == ()
+    stats = tier.statistics()
+    assert stats.io_engine == engine_kind
+    assert stats.direct_io
+    assert stats.direct_io_fallback is None
+    assert stats.blocks == 5
+    assert stats.used_bytes == 5 * FILE
+    assert stats.hits == 5
+    assert stats.bytes_read == stats.bytes_written == 5 * BLOCK
+    assert stats.write_gbps > 0
+    assert stats.read_gbps > 0
+    assert len(block_files(tier)) == 5
+
+
+async def test_missing_keys_are_misses(open_tier: OpenTier) -> None:
+    tier = await open_tier()
+    ks = keys(3)
+    await tier.store(ks[:1], Rows(1).fill(2).rows())
+    result = await tier.load(ks, Rows(3).rows())
+    assert result.loaded == (ks[0],)
+    assert set(result.missing) == set(ks[1:])
+    assert all(isinstance(e, BlockNotFoundError) for e in result.missing.values())
+    assert tier.lookup(ks) == 1
+    assert tier.statistics().misses == 2
+
+
+async def test_fsync_durability_round_trip(open_tier: OpenTier) -> None:
+    tier = await open_tier(durability="fsync")
+    ks = keys(3)
+    src = Rows(3).fill(9)
+    assert (await tier.store(ks, src.rows())).stored == tuple(ks)
+    dst = Rows(3)
+    assert (await tier.load(ks, dst.rows())).loaded == tuple(ks)
+    assert dst.map[:] == src.map[:]
+    assert tier.statistics().durability == "fsync"
+
+
+async def test_cancelled_awaiter_does_not_cancel_store(open_tier: OpenTier) -> None:
+    tier = await open_tier()
+    ks = keys(4)
+    done = tier.store(ks, Rows(4).fill(3).rows())
+    await cancel_one_awaiter(done)
+    assert (await done).stored == tuple(ks)
+    assert tier.lookup(ks) == 4
+
+
+async def test_unaligned_buffer_refused_before_io(open_tier: OpenTier) -> None:
+    tier = await open_tier()
+    buf = mmap.mmap(-1, 2 * BLOCK)
+    with pytest.raises(AlignmentError) as info:
+        tier.store(keys(1), [memoryview(buf)[512 : 512 + BLOCK]])
+    assert info.value.alignment == 4096
+    assert tier.lookup(keys(1)) == 0
+    assert keys(1)[0] not in tier
+    assert not list((tier.path / "tmp").iterdir())
+
+
+# -- integrity --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", [HEADER_BYTES + 100, 30], ids=["payload", "header"])
+async def test_flipped_byte_is_quarantined_miss(open_tier: OpenTier, where: int) -> None:
+    tier = await open_tier()
+    ks = keys(2)
+    await tier.store(ks, Rows(2).fill(4).rows())
+    path = tier.path / "blocks" / ks[0].hex()[:2] / ks[0].hex()
+    data = bytearray(path.read_bytes())
+    data[where] ^= 0x01
+    path.write_bytes(bytes(data))
+    result = await tier.load(ks, Rows(2).rows())
+    assert result.loaded == (ks[1],)
+    assert isinstance(result.missing[ks[0]], IntegrityError)
+    assert not path.exists()
+    assert len(list((tier.path / "quarantine").iterdir())) == 1
+    assert ks[0] not in tier
+    assert tier.lookup(ks) == 0
+    assert tier.statistics().quarantined == 1
+    # Never served again, and its slot is free for a fresh copy.
+    assert isinstance((await tier.load(ks[:1], Rows(1).rows())).missing[ks[0]], BlockNotFoundError)
+    assert (await tier.store(ks[:1], Rows(1).fill(4).rows())).stored == (ks[0],)
+
+
+async def test_truncated_file_is_integrity_error(open_tier: OpenTier) -> None:
+    tier = await open_tier()
+    ks = keys(1)
+    await tier.store(ks, Rows(1).fill(5).rows())
+    path = tier.path / "blocks" / ks[0].hex()[:2] / ks[0].hex()
+    os.truncate(path, HEADER_BYTES + 4096)
+    result = await tier.load(ks, Rows(1).rows())
+    assert isinstance(result.missing[ks[0]], IntegrityError)
+    assert "short block file" in str(result.missing[ks[0]])
+    assert ks[0] not in tier
+
+
+async def test_file_from_another_namespace_never_hits(open_tier: OpenTier, tmp_path: Path) -> None:
+    a = await open_tier(layout=make_layout("model-a"))
+    b = await open_tier(layout=make_layout("model-b"))
+    assert a.path != b.path
+    ks = keys(2)
+    await a.store(ks, Rows(2).fill(6).rows())
+    assert b.lookup(ks) == 0
+    assert isinstance((await b.load(ks, Rows(2).rows())).missing[ks[0]], BlockNotFoundError)
+    # A file copied into b's directory is recovered by size but refused by its header.
+    await b.aclose()
+    name = ks[0].hex()
+    src = a.path / "blocks" / name[:2] / name
+    (b.path / "blocks" / name[:2] / name).write_bytes(src.read_bytes())
+    b2 = await open_tier(layout=make_layout("model-b"))
+    assert b2.lookup(ks[:1]) == 1
+    result = await b2.load(ks[:1], Rows(1).rows())
+    assert isinstance(result.missing[ks[0]], NamespaceMismatchError)
+    assert b2.lookup(ks[:1]) == 0
+    assert a.lookup(ks) == 2
+
+
+# -- budget and eviction ----------------------------------------------------------------
+
+
+async def test_eviction_keeps_the_budget(open_tier: OpenTier) -> None:
+    tier = await open_tier(blocks=3)
+    ks = keys(5)
+    first = await tier.store(ks[:3], Rows(3).fill(7).rows())
+    assert first.stored == tuple(ks[:3])
+    await tier.load(ks[:1], Rows(1).rows())  # most recently used now
+    second = await tier.store(ks[3:], Rows(2).fill(8).rows())
+    assert second.stored == tuple(ks[3:])
+    assert set(second.evicted) == {ks[1], ks[2]}
+    files = block_files(tier)
+    assert len(files) == 3
+    assert not list((tier.path / "tmp").iterdir())  # evicted files were reused, none left
+    assert sum(p.stat().st_size for p in files) <= 3 * FILE
+    stats = tier.statistics()
+    assert stats.evictions == 2
+    assert stats.used_bytes == stats.capacity_bytes == 3 * FILE
+    assert tier.lookup([ks[0]]) == 1
+    assert ks[1] not in tier
+
+
+async def test_more_blocks_than_capacity_fail_as_capacity(open_tier: OpenTier) -> None:
+    tier = await open_tier(blocks=2)
+    ks = keys(3)
+    result = await tier.store(ks, Rows(3).fill(1).rows())
+    assert result.stored == ()
+    assert all(isinstance(e, CapacityError) for e in result.failed.values())
+    assert tier.statistics().blocks == 0
+
+
+# -- failures per block -----------------------------------------------------------------
+
+
+async def test_write_error_fails_that_block_only(
+    open_tier: OpenTier, engine_kind: EngineKind
+) -> None:
+    faulty = FaultyEngine(await open_io_engine(engine_kind, queue_depth=4))
+    tier = await open_tier(io_engine=faulty)
+    ks = keys(3)
+    faulty.inject("write", err=errno.ENOSPC)
+    faulty.inject("write", short_by=4096)
+    result = await tier.store(ks, Rows(3).fill(2).rows())
+    assert result.stored == (ks[2],)
+    enospc, short = result.failed[ks[0]], result.failed[ks[1]]
+    assert isinstance(enospc, TierIOError)
+    assert enospc.errno == errno.ENOSPC
+    assert isinstance(short, TierIOError)
+    assert "short write" in str(short)
+    assert enospc.path is not None
+    assert enospc.path.startswith(str(tier.path / "tmp"))
+    assert not list((tier.path / "tmp").iterdir())
+    assert tier.statistics().blocks == 1
+    assert tier.statistics().store_failures == 2
+    # The tier keeps working, and the failed keys can be stored again.
+    assert (await tier.store(ks, Rows(3).fill(2).rows())).stored == tuple(ks[:2])
+    faulty.inject("read", err=errno.EIO)
+    result2 = await tier.load(ks, Rows(3).rows())
+    eio = result2.missing[ks[0]]
+    assert isinstance(eio, TierIOError)
+    assert eio.errno == errno.EIO
+    assert result2.loaded == tuple(ks[1:])
+    await faulty.aclose()
+
+
+# -- restart ----------------------------------------------------------------------------
+
+
+async def test_restart_recovers_residency_and_usage(open_tier: OpenTier, tmp_path: Path) -> None:
+    tier = await open_tier()
+    ks = keys(6)
+    src = Rows(6).fill(11)
+    await tier.store(ks, src.rows())
+    path = tier.path
+    await tier.aclose()
+    # Leftovers of a crash: an interrupted write and a torn block file.
+    (path / "tmp" / "deadbeef.1.1.tmp").write_bytes(b"partial")
+    torn = keys(1, salt=9)[0].hex()
+    (path / "blocks" / torn[:2] / torn).write_bytes(b"x" * 100)
+    again = await open_tier()
+    stats = again.statistics()
+    assert stats.blocks == 6
+    assert stats.used_bytes == 6 * FILE
+    assert stats.recovered_blocks == 6
+    assert stats.removed_temporaries == 1
+    assert stats.quarantined == 1
+    assert stats.recovery == "complete"
+    assert not list((path / "tmp").iterdir())
+    assert again.lookup(ks) == 6
+    dst = Rows(6)
+    assert (await again.load(ks, dst.rows())).loaded == tuple(ks)
+    assert dst.map[:] == src.map[:]
+    await again.aclose()
+    # A smaller budget on restart evicts down to it.
+    small = await open_tier(blocks=4)
+    assert small.statistics().blocks == 4
+    assert len(block_files(small)) == 4
+
+
+async def test_second_open_of_same_namespace_is_busy(open_tier: OpenTier) -> None:
+    await open_tier()
+    with pytest.raises(BusyError):
+        await open_tier()
+
+
+async def test_other_block_size_refused(open_tier: OpenTier, tmp_path: Path) -> None:
+    tier = await open_tier()
+    await tier.aclose()
+    config = FileTierConfig(root=tmp_path / "tier", bytes_to_use=16 * FILE)
+    with pytest.raises(NamespaceMismatchError):
+        await FileTier.open(config, make_layout(), block_bytes=2 * BLOCK)
+
+
+async def test_aclose_waits_and_is_idempotent(open_tier: OpenTier) -> None:
+    tier = await open_tier()
+    ks = keys(4)
+    done = tier.store(ks, Rows(4).fill(1).rows())
+    await tier.aclose()
+    assert done.done()
+    await tier.aclose()
+    with pytest.raises(ClosedError):
+        tier.store(ks, Rows(4).rows())
+
+
+# -- filesystem hygiene -----------------------------------------------------------------
+
+
+async def test_permissions(open_tier: OpenTier, tmp_path: Path) -> None:
+    tier = await open_tier()
+    await tier.store(keys(1), Rows(1).fill(1).rows())
+
+    def mode(p: Path) -> int:
+        return stat.S_IMODE(p.stat().st_mode)
+
+    assert mode(tmp_path / "tier") == 0o700
+    assert mode(tier.path) == 0o700
+    assert all(mode(p) == 0o700 for p in (tier.path / "blocks").iterdir())
+    assert mode(tier.path / "namespace.json") == 0o600
+    assert [mode(p) for p in block_files(tier)] == [0o600]
+    desc = json.loads((tier.path / "namespace.json").read_text())
+    assert desc["namespace"] == make_layout().namespace.hex() == tier.path.name
+    assert desc["block_bytes"] == BLOCK
+
+
+async def test_planted_symlink_is_not_followed(open_tier: OpenTier, tmp_path: Path) -> None:
+    tier = await open_tier()
+    ks = keys(1)
+    await tier.store(ks, Rows(1).fill(3).rows())
+    path = tier.path / "blocks" / ks[0].hex()[:2] / ks[0].hex()
+    outside = tmp_path / "outside"
+    outside.write_bytes(path.read_bytes())
+    path.unlink()
+    path.symlink_to(outside)
+    result = await tier.load(ks, Rows(1).rows())
+    err = result.missing[ks[0]]
+    assert isinstance(err, TierIOError)
+    assert err.errno == errno.ELOOP
+    assert outside.exists()
+    assert not path.is_symlink()
+    assert ks[0] not in tier
+
+
+async def test_symlinked_fanout_directory_refused(open_tier: OpenTier, tmp_path: Path) -> None:
+    tier = await open_tier()
+    sub = tier.path / "blocks" / "00"
+    await tier.aclose()
+    sub.rmdir()
+    (tmp_path / "elsewhere").mkdir()
+    sub.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(TierIOError, match="symlink"):
+        await open_tier()
+
+
+# -- O_DIRECT refusal -------------------------------------------------------------------
+
+
+def _refuses_direct(directory: str) -> bool:
+    probe = os.path.join(directory, f"kvtier-direct-probe-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+        return True
+    os.close(fd)
+    os.unlink(probe)
+    return False
+
+
+@pytest.fixture
+def refusing_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory on a filesystem that refuses O_DIRECT.
+
+    /dev/shm (tmpfs) where it refuses; tmpfs accepts O_DIRECT since Linux 6.6,
+    so otherwise a ramfs (which never supports it) mounted for the test.
+    """
+    if os.path.isdir("/dev/shm") and _refuses_direct("/dev/shm"):
+        root = Path(f"/dev/shm/kvtier-test-{os.getpid()}-{tmp_path.name}")
+        try:
+            yield root
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    mount = shutil.which("mount")
+    proc = subprocess.run(
+        [mount or "mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True, check=False
+    )
+    if mount is None or proc.returncode != 0:
+        pytest.skip(
+            "no filesystem refusing O_DIRECT: /dev/shm accepts it (tmpfs does since Linux "
+            "6.6) and a ramfs cannot be mounted here (needs CAP_SYS_ADMIN)"
+        )
+    try:
+        yield mnt / "tier"
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+
+
+async def test_direct_io_refused(open_tier: OpenTier, refusing_dir: Path) -> None:
+    with pytest.raises(DirectIOUnsupportedError) as info:
+        await open_tier(root=refusing_dir, direct_io="require")
+    assert info.value.errno == errno.EINVAL
+    assert info.value.path is not None
+    assert info.value.path.startswith(str(refusing_dir))
+    tier = await open_tier(root=refusing_dir, direct_io="auto")
+    stats = tier.statistics()
+    assert not stats.direct_io
+    assert "O_DIRECT" in (stats.direct_io_fallback or "")
+    ks = keys(2)
+    src = Rows(2).fill(12)
+    await tier.store(ks, src.rows())
+    dst = Rows(2)
+    assert (await tier.load(ks, dst.rows())).loaded == tuple(ks)
+    assert dst.map[:] == src.map[:]
+    # Buffered I/O does not need aligned buffers.
+    odd = bytearray(BLOCK + 1)
+    assert (await tier.store(keys(1, salt=3), [memoryview(odd)[1:]])).stored
+    await tier.aclose()
