@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvtier.manager.events import BlockRemoved, BlockStored, ManagerEvent
 from kvtier.manager.plans import LoadPlan, ManagerStatistics, StorePlan
-from kvtier.manager.policies import ARCPolicy, CachePolicy, LRUPolicy, SlotState
+from kvtier.manager.policies import ARCPolicy, CachePolicy, LRUPolicy
 from kvtier.manager.residency import ResidencyManager
 
 __all__ = [
@@ -21,6 +21,5 @@ __all__ = [
     "ManagerEvent",
     "ManagerStatistics",
     "ResidencyManager",
-    "SlotState",
     "StorePlan",
 ]

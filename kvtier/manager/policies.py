@@ -1,8 +1,8 @@
 """Eviction policies: which ready, unpinned block a full tier gives up first.
 
 A :class:`CachePolicy` works on *slots* (integers in ``[0, capacity)``), in
-batches, and reads the manager's per-slot :class:`SlotState` to know which slots
-it may take. :class:`LRUPolicy` evicts the least recently used block;
+batches, and reads the manager's per-slot pin counts to know which slots it may
+take. :class:`LRUPolicy` evicts the least recently used block;
 :class:`ARCPolicy` is Megiddo and Modha's Adaptive Replacement Cache, which keeps
 blocks used once (T1) apart from blocks used again (T2) and learns from recently
 evicted keys (the ghost lists B1 and B2) how much room each deserves, so that
@@ -16,9 +16,9 @@ its slot; a slot's latest entry is its place in the order, and older entries are
 stale: eviction reads the log from the front and skips an entry while the slot
 has later ones (its count is still above zero after the read). Appending is one
 C-level ``extend`` per call; the log is compacted (duplicates and stale entries
-dropped, in C) when it grows past a few times the capacity. That keeps the
-order exact while costing 4-12 bytes per block instead of an ``OrderedDict``
-node (about 70 bytes with its share of the hash table), and no Python object per
+dropped) when it grows past three times the capacity. That keeps the order
+exact while costing 12-20 bytes per block instead of an ``OrderedDict`` node
+(about 70 bytes with its share of the hash table), and no Python object per
 block.
 """
 
@@ -28,33 +28,11 @@ import math
 import zlib
 from abc import ABC, abstractmethod
 from array import array
-from collections.abc import Sequence
-from enum import IntEnum
-from itertools import compress
+from collections.abc import Container, Sequence
 
 from kvtier.errors import InvalidArgumentError
 
-__all__ = ["ARCPolicy", "CachePolicy", "LRUPolicy", "SlotState"]
-
-
-class SlotState(IntEnum):
-    """What a slot holds, as the manager's per-slot ``bytearray`` records it."""
-
-    FREE = 0
-    """No block."""
-    WRITING = 1
-    """A block between ``prepare_store`` and ``complete_store``: not readable."""
-    REMOVED_WRITING = 2
-    """Removed while being written: freed when its store completes."""
-    REMOVED_PINNED = 3
-    """Removed while pinned by loads: freed when the last load completes."""
-    PINNED = 4
-    """Ready, held by at least one load in flight (or protected during an eviction)."""
-    EVICTABLE = 5
-    """Ready and not pinned: the only state a policy may evict."""
-
-
-_EVICTABLE = int(SlotState.EVICTABLE)
+__all__ = ["ARCPolicy", "CachePolicy", "LRUPolicy"]
 
 
 class CachePolicy(ABC):
@@ -63,26 +41,32 @@ class CachePolicy(ABC):
     The manager calls the policy in batches, with slot numbers; "first is most
     recent" holds for every list of slots it passes. A policy instance serves
     one manager (:meth:`bind` is called once, by the manager's constructor).
+    The policy *holds* the blocks :meth:`inserted` gave it until it returns
+    them from :meth:`evict` or learns from :meth:`discarded` that they left.
 
     Notes
     -----
-    Only slots whose state is :attr:`SlotState.EVICTABLE` may be returned by
-    :meth:`evict`: pinned blocks, blocks being written and blocks the current
-    ``prepare_store`` names all have other states while :meth:`evict` runs. The
-    manager calls :meth:`evict` only when enough evictable slots exist. Every
-    method must be O(1) per slot amortized and do no I/O.
+    A held block whose slot is in ``pins`` must not be evicted: blocks pinned
+    by loads, and the blocks the current ``prepare_store`` names (the manager
+    pins those while :meth:`evict` runs).
+    Blocks being written are never held. The manager calls :meth:`evict` only
+    when enough unpinned held blocks exist. Every method must be O(1) per slot
+    amortized and do no I/O.
     """
 
-    __slots__ = ("_bound", "capacity", "keys", "states")
+    __slots__ = ("_bound", "capacity", "keys", "pins")
 
     def __init__(self) -> None:
         self._bound = False
         self.capacity = 0
-        self.states = bytearray()
+        """Slots of the manager."""
+        self.pins: Container[int] = frozenset()
+        """The manager's pinned slots (read only)."""
         self.keys: list[bytes | None] = []
+        """The manager's key per slot (read only); set for every held slot."""
 
-    def bind(self, capacity: int, states: bytearray, keys: list[bytes | None]) -> None:
-        """Attach to a manager: its capacity, its slot states and its slot -> key table.
+    def bind(self, capacity: int, pins: Container[int], keys: list[bytes | None]) -> None:
+        """Attach to a manager: its capacity, its pinned slots and its slot -> key table.
 
         Both containers belong to the manager and change under the policy; the
         policy only reads them.
@@ -98,13 +82,13 @@ class CachePolicy(ABC):
             )
         self._bound = True
         self.capacity = capacity
-        self.states = states
+        self.pins = pins
         self.keys = keys
         self.clear()
 
     @abstractmethod
     def clear(self) -> None:
-        """Forget every block (the manager was reset)."""
+        """Forget every block (bound, or the manager was reset)."""
 
     def missed(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - optional hook
         """Blocks not resident are about to be stored (a policy may learn from it).
@@ -115,16 +99,15 @@ class CachePolicy(ABC):
 
     @abstractmethod
     def inserted(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
-        """Blocks became ready: from now on they are candidates; first most recent."""
+        """Blocks became ready: hold them from now on; first most recent."""
 
     @abstractmethod
     def touched(self, slots: Sequence[int]) -> None:
-        """Resident blocks were used; first most recent. Slots the policy does
-        not hold (being written) must be ignored."""
+        """Held blocks were used; first most recent."""
 
     @abstractmethod
     def evict(self, n: int) -> list[int]:
-        """Forget and return exactly ``n`` evictable slots, least valuable first."""
+        """Stop holding and return exactly ``n`` unpinned slots, least valuable first."""
 
     @abstractmethod
     def discarded(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
@@ -137,58 +120,73 @@ class CachePolicy(ABC):
 class _Recency:
     """One exact recency list as a log of slots (see the module docstring)."""
 
-    __slots__ = ("code", "head", "limit", "log", "occ", "size", "where")
+    __slots__ = ("head", "limit", "log", "size", "state")
 
-    def __init__(self, capacity: int, where: bytearray, code: int) -> None:
-        self.where = where
-        """Per slot: which list holds it (shared by the lists of one policy)."""
-        self.code = code
-        """This list's value in :attr:`where`."""
+    def __init__(self, capacity: int) -> None:
         self.log = array("I")
         self.head = 0
         """Entries before ``head`` were read by eviction already."""
-        self.occ = array("I", bytes(4 * capacity))
-        """Per slot: how many of its entries are in the log from ``head`` on."""
+        self.state = [0] * capacity
+        """Per slot: 2 x (its entries in the log from ``head`` on) + 1 if in the list.
+
+        One list read tells eviction both whether an entry is the slot's
+        latest and whether the slot is still in the list: one memory access
+        per entry instead of two.
+        """
         self.size = 0
         """Slots in this list."""
         # Compacting costs O(log); doing it after ~3x capacity appends keeps its
         # share of each append small while the log stays within 12 bytes a slot.
         self.limit = 3 * capacity + 4096
 
-    def push(self, slots: Sequence[int]) -> None:
-        """Append uses, first most recent (so it is appended last)."""
-        occ = self.occ
+    def add(self, slots: Sequence[int]) -> None:
+        """Slots join the list as its most recent, first most recent."""
+        state = self.state
         for s in slots:
-            occ[s] += 1
+            state[s] += 3
+        self.size += len(slots)
+        self.append(slots)
+
+    def append(self, slots: Sequence[int]) -> None:
+        """Log uses whose counts the caller has already added."""
         log = self.log
         log.extend(reversed(slots))
         if len(log) - self.head > self.limit:
             self.compact()
 
-    def take(self, n: int, states: bytearray, out: list[int]) -> int:
-        """Move up to ``n`` evictable slots, least recent first, from the list to ``out``."""
-        log, occ, where, code = self.log, self.occ, self.where, self.code
+    def drop(self, s: int) -> bool:
+        """Take ``s`` out of the list (its entries go stale); whether it was in it."""
+        v = self.state[s]
+        if v & 1:
+            self.state[s] = v - 1
+            self.size -= 1
+            return True
+        return False
+
+    def take(self, n: int, pins: Container[int], out: list[int]) -> int:
+        """Move up to ``n`` unpinned slots, least recent first, from the list to ``out``."""
+        log, state = self.log, self.state
         i, end, got = self.head, len(log), 0
         passed: list[int] = []
         while got < n and i < end:
             s = log[i]
             i += 1
-            c = occ[s] - 1
-            occ[s] = c
-            if c or where[s] != code:
+            v = state[s] - 2
+            state[s] = v
+            if v != 1:
                 continue  # a later entry of this slot exists, or it left the list
-            if states[s] == _EVICTABLE:
-                where[s] = 0
+            if s in pins:
+                passed.append(s)
+            else:
+                state[s] = 0
                 out.append(s)
                 got += 1
-            else:
-                passed.append(s)
         # Pinned blocks passed over keep their place: write them back in front
         # (the positions just read are free), so the order stays exact.
         for s in reversed(passed):
             i -= 1
             log[i] = s
-            occ[s] += 1
+            state[s] += 2
         self.head = i
         self.size -= got
         if i > 4096 and 2 * i > len(log):
@@ -198,24 +196,13 @@ class _Recency:
 
     def compact(self) -> None:
         """Drop stale entries: one entry per member, in recency order."""
-        member = self.where.translate(_MEMBER[self.code])
-        live = self.log[self.head :]
-        latest = dict.fromkeys(reversed(live))  # each slot once, most recent first
-        keep = list(compress(latest, map(member.__getitem__, latest)))
+        state = self.state
+        latest = dict.fromkeys(reversed(self.log[self.head :]))  # each slot once, newest first
+        keep = [s for s in latest if state[s] & 1]
         keep.reverse()
         self.log = array("I", keep)
         self.head = 0
-        self.occ = array("I", list(member))
-
-    def clear(self) -> None:
-        self.log = array("I")
-        self.head = 0
-        self.occ = array("I", bytes(4 * len(self.occ)))
-        self.size = 0
-
-
-# bytes.translate tables: list code -> 1, anything else -> 0.
-_MEMBER = {code: bytes(int(i == code) for i in range(256)) for code in (1, 2)}
+        self.state = [(v & 1) * 3 for v in state]
 
 
 class LRUPolicy(CachePolicy):
@@ -227,46 +214,39 @@ class LRUPolicy(CachePolicy):
     touched. Pinned blocks are passed over and keep their place in the order.
     """
 
-    __slots__ = ("_list", "_where")
+    __slots__ = ("_list",)
 
     def __init__(self) -> None:
         super().__init__()
-        self._where = bytearray()
-        self._list = _Recency(0, self._where, 1)
+        self._list = _Recency(0)
 
     def clear(self) -> None:
-        self._where = bytearray(self.capacity)
-        self._list = _Recency(self.capacity, self._where, 1)
-
-    def inserted(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
-        where = self._where
-        for s in slots:
-            where[s] = 1
-        self._list.size += len(slots)
-        self._list.push(slots)
-
-    def touched(self, slots: Sequence[int]) -> None:
-        # Entries of slots not in the list are stale from the start: no filter needed.
-        self._list.push(slots)
-
-    def evict(self, n: int) -> list[int]:
-        out: list[int] = []
-        self._list.take(n, self.states, out)
-        return out
-
-    def discarded(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
-        where = self._where
-        left = 0
-        for s in slots:
-            if where[s]:
-                where[s] = 0
-                left += 1
-        self._list.size -= left
+        self._list = _Recency(self.capacity)
 
     @property
     def size(self) -> int:
-        """Blocks in the recency order (the ready ones)."""
+        """Blocks held (the ready ones)."""
         return self._list.size
+
+    def inserted(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        self._list.add(slots)
+
+    def touched(self, slots: Sequence[int]) -> None:
+        lst = self._list
+        state = lst.state
+        for s in slots:
+            state[s] += 2
+        lst.append(slots)
+
+    def evict(self, n: int) -> list[int]:
+        out: list[int] = []
+        self._list.take(n, self.pins, out)
+        return out
+
+    def discarded(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        drop = self._list.drop
+        for s in slots:
+            drop(s)
 
 
 _GHOST_TOP = 0x80000000  # set in every ghost entry, so that 0 means empty
@@ -294,16 +274,15 @@ class ARCPolicy(CachePolicy):
     * A batch of stores adapts ``p`` for all its ghost hits first, then chooses
       all its victims against the new ``p``.
     * Pinned blocks are passed over and keep their place; when the list ``p``
-      points at has nothing evictable, the other list gives the victim.
+      points at has nothing unpinned, the other list gives the victim.
     """
 
-    __slots__ = ("_b1", "_b2", "_ghosts", "_mask", "_p", "_pending", "_t1", "_t2", "_where")
+    __slots__ = ("_b1", "_b2", "_ghosts", "_mask", "_p", "_pending", "_t1", "_t2")
 
     def __init__(self) -> None:
         super().__init__()
-        self._where = bytearray()
-        self._t1 = _Recency(0, self._where, 1)
-        self._t2 = _Recency(0, self._where, 2)
+        self._t1 = _Recency(0)
+        self._t2 = _Recency(0)
         self._ghosts = array("I")
         self._mask = 0
         self._b1 = 0
@@ -313,9 +292,8 @@ class ARCPolicy(CachePolicy):
 
     def clear(self) -> None:
         cap = self.capacity
-        self._where = bytearray(cap)
-        self._t1 = _Recency(cap, self._where, 1)
-        self._t2 = _Recency(cap, self._where, 2)
+        self._t1 = _Recency(cap)
+        self._t2 = _Recency(cap)
         size = 1 << max(10, (cap - 1).bit_length())
         self._ghosts = array("I", bytes(4 * size))
         self._mask = size - 1
@@ -352,14 +330,13 @@ class ARCPolicy(CachePolicy):
 
     def in_t2(self, slot: int) -> bool:
         """Whether ``slot`` is in T2 (used again since it entered)."""
-        return self._where[slot] == 2
+        return bool(self._t2.state[slot] & 1)
 
     # -- the policy ----------------------------------------------------------------------
 
     def missed(self, keys: Sequence[bytes]) -> None:
-        ghosts, mask, crc = self._ghosts, self._mask, zlib.crc32
-        for k in keys:
-            h = crc(k)
+        ghosts, mask = self._ghosts, self._mask
+        for k, h in zip(keys, map(zlib.crc32, keys), strict=True):
             i = h & mask
             v = ghosts[i]
             if not v:
@@ -377,62 +354,49 @@ class ARCPolicy(CachePolicy):
             self._pending.add(k)
 
     def inserted(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
-        where = self._where
         pending = self._pending
-        if pending:
-            ones: list[int] = []
-            twos: list[int] = []
-            for k, s in zip(keys, slots, strict=True):
-                if k in pending:
-                    pending.discard(k)
-                    where[s] = 2
-                    twos.append(s)
-                else:
-                    where[s] = 1
-                    ones.append(s)
-            self._t1.size += len(ones)
-            self._t1.push(ones)
-            self._t2.size += len(twos)
-            self._t2.push(twos)
-            return
-        for s in slots:
-            where[s] = 1
-        self._t1.size += len(slots)
-        self._t1.push(slots)
+        if pending and not pending.isdisjoint(keys):
+            # Ghost hits enter T2 directly.
+            self._t1.add([s for k, s in zip(keys, slots, strict=True) if k not in pending])
+            self._t2.add([s for k, s in zip(keys, slots, strict=True) if k in pending])
+            pending.difference_update(keys)
+        else:
+            self._t1.add(slots)
 
     def touched(self, slots: Sequence[int]) -> None:
-        where = self._where
-        used: list[int] = []
+        t1, t2 = self._t1, self._t2
+        st1, st2 = t1.state, t2.state
         moved = 0
         for s in slots:
-            w = where[s]
-            if w:
-                if w == 1:
-                    where[s] = 2  # its T1 entries are stale from now on
-                    moved += 1
-                used.append(s)
-        self._t1.size -= moved
-        self._t2.size += moved
-        self._t2.push(used)
+            v = st1[s]
+            if v & 1:  # a second use: T1 -> T2; its T1 entries go stale
+                st1[s] = v - 1
+                st2[s] += 3
+                moved += 1
+            else:
+                st2[s] += 2
+        t1.size -= moved
+        t2.size += moved
+        t2.append(slots)
 
     def evict(self, n: int) -> list[int]:
         out: list[int] = []
-        t1, t2, states = self._t1, self._t2, self.states
+        t1, t2, pins = self._t1, self._t2, self.pins
         want1 = n if not t2.size else min(n, max(0, math.ceil(t1.size - self._p)))
-        got1 = t1.take(want1, states, out) if want1 else 0
-        got2 = t2.take(n - got1, states, out) if got1 < n else 0
+        got1 = t1.take(want1, pins, out) if want1 else 0
+        got2 = t2.take(n - got1, pins, out) if got1 < n else 0
         if got1 + got2 < n:
-            # T2 ran out of evictable blocks (pinned): T1 gives the rest.
-            got1 += t1.take(n - got1 - got2, states, out)
+            # T2 ran out of unpinned blocks: T1 gives the rest.
+            got1 += t1.take(n - got1 - got2, pins, out)
         self._remember(out[:got1], 0)
         self._remember(out[got1:], _GHOST_B2)
         return out
 
     def _remember(self, slots: list[int], tag: int) -> None:
-        ghosts, mask, keys, crc = self._ghosts, self._mask, self.keys, zlib.crc32
+        ghosts, mask, keys = self._ghosts, self._mask, self.keys
         lost1 = lost2 = 0
-        for s in slots:
-            h = crc(keys[s] or b"")  # an evictable slot always has its key
+        # A held slot always has its key (the `or` only satisfies the type).
+        for h in map(zlib.crc32, [keys[s] or b"" for s in slots]):
             i = h & mask
             old = ghosts[i]
             if old:
@@ -449,15 +413,9 @@ class ARCPolicy(CachePolicy):
         self._b2 -= lost2
 
     def discarded(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
-        pending = self._pending
-        if pending:
-            pending.difference_update(keys)
-        where = self._where
+        if self._pending:
+            self._pending.difference_update(keys)
+        drop1, drop2 = self._t1.drop, self._t2.drop
         for s in slots:
-            w = where[s]
-            if w:
-                where[s] = 0
-                if w == 1:
-                    self._t1.size -= 1
-                else:
-                    self._t2.size -= 1
+            if not drop1(s):
+                drop2(s)

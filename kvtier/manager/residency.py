@@ -8,59 +8,57 @@ where to write (:meth:`ResidencyManager.prepare_store`) and read
 
 Block states::
 
-                prepare_store             complete_store(ok)
-    (absent) ─────────────────> WRITING ─────────────────────> READY  <──┐
-        ^                          │   complete_store(failed)    │ │      │ complete_load
-        └──────────────────────────┘                             │ │      │ (last pin)
-        ^                                 evict / remove         │ │ prepare_load
-        └────────────────────────────────────────────────────────┘ └──> PINNED
+              prepare_store             complete_store(ok)
+    (absent) ───────────────> WRITING ────────────────────> READY ──prepare_load──> PINNED
+        ^                        │  complete_store(failed)   │  ^                      │
+        └────────────────────────┘                           │  └──complete_load───────┘
+        ^                       evict / remove               │        (last pin)
+        └────────────────────────────────────────────────────┘
 
-Memory and time
----------------
-Everything per block lives in compact containers: one ``dict`` from key to slot
-(its int), a slot -> key ``list``, a one-byte state per slot, and the policy's
-arrays; pins are counted in a ``dict`` that holds only pinned slots. Calls loop
-over their keys once or twice, mostly inside C (``map``, ``dict.update``,
-``array.extend``), so each costs a few hundred nanoseconds per key at any
-capacity; ``docs/manager.md`` has the figures.
+    remove() of a WRITING or PINNED block: it stops being a hit at once, and
+    its slot is freed by its complete_store / last complete_load.
+
+How it stays fast and small
+---------------------------
+Each state is one ``dict`` from key to slot: ready blocks (pinned or not), blocks
+being written, and the two kinds of removed-but-busy blocks, so a lookup or a
+load tests one dict per key and never a state field. Per slot there is a key
+(``list``); pin counts live in a ``dict`` of the pinned slots only; the policy
+adds its own per-slot list and log. The
+calls loop over their keys once or twice, mostly inside C (``map``,
+``dict.update``, ``array.extend``); ``docs/manager.md`` has the figures.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import deque
 from collections.abc import Sequence
-from itertools import filterfalse
+from itertools import filterfalse, repeat
 
-from kvtier.errors import (
-    BlockNotFoundError,
-    BusyError,
-    InvalidArgumentError,
-    ProtocolError,
-)
+from kvtier.errors import BlockNotFoundError, BusyError, InvalidArgumentError, ProtocolError
 from kvtier.manager.events import BlockRemoved, BlockStored, ManagerEvent
 from kvtier.manager.plans import LoadPlan, ManagerStatistics, StorePlan
-from kvtier.manager.policies import ARCPolicy, CachePolicy, LRUPolicy, SlotState
+from kvtier.manager.policies import ARCPolicy, CachePolicy, LRUPolicy
 
 __all__ = ["ResidencyManager"]
-
-_FREE = int(SlotState.FREE)
-_WRITING = int(SlotState.WRITING)
-_REMOVED_WRITING = int(SlotState.REMOVED_WRITING)
-_REMOVED_PINNED = int(SlotState.REMOVED_PINNED)
-_PINNED = int(SlotState.PINNED)
-_EVICTABLE = int(SlotState.EVICTABLE)
 
 _BYTES_ONLY = frozenset({bytes})
 _EMPTY_PLAN = StorePlan((), (), (), ())
 
 # A dict that has seen many deletions grows its table to 3x its entries at the
-# next resize (CPython's GROWTH_RATE), up to ~105 bytes an entry. Past this many
+# next resize (CPython's GROWTH_RATE): 60 to 120 bytes an entry. Past this many
 # bytes an entry, the index is copied into a table sized for its entries.
 _INDEX_BYTES_PER_ENTRY = 96
 
 
-def _check(keys: Sequence[bytes], what: str) -> None:
-    """Raise unless ``keys`` is a sequence of distinct bytes keys (cheap: two C loops)."""
+def _check(keys: Sequence[bytes], what: str, *, distinct: bool = True) -> None:
+    """Raise unless ``keys`` is a sequence of bytes keys, distinct unless told otherwise.
+
+    Two passes in C: ``join`` refuses what is not bytes-like, ``set`` what is
+    unhashable (bytearray) and counts duplicates. A caller that detects
+    duplicates on its own way passes ``distinct=False`` and skips the ``set``.
+    """
     if (
         type(keys) is not list
         and type(keys) is not tuple
@@ -69,11 +67,13 @@ def _check(keys: Sequence[bytes], what: str) -> None:
         )
     ):
         raise InvalidArgumentError(f"{what}: keys must be a sequence of bytes, got {keys!r}")
-    if not _BYTES_ONLY.issuperset(map(type, keys)):
+    try:
+        b"".join(keys)
+        if distinct and len(set(keys)) != len(keys):
+            raise InvalidArgumentError(f"{what}: duplicate keys in one call")
+    except TypeError:
         bad = next(k for k in keys if type(k) is not bytes)
-        raise InvalidArgumentError(f"{what}: every key must be bytes, got {bad!r}")
-    if len(set(keys)) != len(keys):
-        raise InvalidArgumentError(f"{what}: duplicate keys in one call")
+        raise InvalidArgumentError(f"{what}: every key must be bytes, got {bad!r}") from None
 
 
 def _make_policy(policy: str | CachePolicy) -> CachePolicy:
@@ -114,8 +114,8 @@ class ResidencyManager:
     -----
     Every method is synchronous, does no I/O, and costs O(1) per key amortized.
     Keys are ``bytes``; a call with a key of another type, or with the same key
-    twice, raises :class:`~kvtier.errors.InvalidArgumentError` and changes
-    nothing. Every method that raises changes nothing.
+    twice, raises :class:`~kvtier.errors.InvalidArgumentError`. A method that
+    raises changes nothing.
 
     A block is *being written* from :meth:`prepare_store` to
     :meth:`complete_store`: it occupies its slot, is not a hit, cannot be loaded
@@ -128,7 +128,6 @@ class ResidencyManager:
     __slots__ = (
         "_capacity",
         "_events",
-        "_evictable",
         "_evictions",
         "_free",
         "_fresh",
@@ -137,10 +136,13 @@ class ResidencyManager:
         "_index_limit",
         "_keys",
         "_misses",
+        "_pinned",
         "_pins",
         "_policy",
-        "_states",
+        "_removed_pinned",
+        "_removed_writing",
         "_tier",
+        "_writing",
     )
 
     def __init__(
@@ -165,19 +167,22 @@ class ResidencyManager:
         self._tier = tier
         self._events: list[ManagerEvent] | None = [] if enable_events else None
         self._policy = _make_policy(policy)
-        self._states = bytearray(capacity_slots)
+        self._pins: dict[int, int] = {}
+        """Pin count per pinned slot; unpinned slots are absent (no memory per block)."""
         self._keys: list[bytes | None] = [None] * capacity_slots
-        self._policy.bind(capacity_slots, self._states, self._keys)
+        self._policy.bind(capacity_slots, self._pins, self._keys)
         self._clear()
 
     def _clear(self) -> None:
         self._index: dict[bytes, int] = {}
+        """Ready blocks, pinned or not."""
+        self._writing: dict[bytes, int] = {}
+        self._removed_writing: dict[bytes, int] = {}
+        self._removed_pinned: dict[bytes, int] = {}
         self._index_limit = 0
-        self._pins: dict[int, int] = {}
         # Slots never handed out are counted, not listed: no int per free slot.
         self._free: list[int] = []
         self._fresh = 0
-        self._evictable = 0
         self._hits = 0
         self._misses = 0
         self._evictions = 0
@@ -201,24 +206,39 @@ class ResidencyManager:
 
     def __len__(self) -> int:
         """Blocks that occupy a slot, in any state."""
-        return len(self._index)
+        return (
+            len(self._index)
+            + len(self._writing)
+            + len(self._removed_writing)
+            + len(self._removed_pinned)
+        )
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` occupies a slot, in any state (being written included)."""
-        return key in self._index
+        return (
+            key in self._index
+            or key in self._writing
+            or key in self._removed_writing
+            or key in self._removed_pinned
+        )
 
     def is_ready(self, key: bytes) -> bool:
         """Whether ``key`` is resident and ready (loadable); pinned blocks are ready."""
-        s = self._index.get(key)
-        return s is not None and self._states[s] >= _PINNED
+        return key in self._index
 
     def slot_of(self, key: bytes) -> int | None:
         """The slot ``key`` occupies in any state, or None when it is not resident."""
-        return self._index.get(key)
+        for where in (self._index, self._writing, self._removed_writing, self._removed_pinned):
+            s = where.get(key)
+            if s is not None:
+                return s
+        return None
 
     def pins(self, key: bytes) -> int:
         """How many loads in flight pin ``key`` (0 when absent or unpinned)."""
         s = self._index.get(key)
+        if s is None:
+            s = self._removed_pinned.get(key)
         return 0 if s is None else self._pins.get(s, 0)
 
     # -- the protocol --------------------------------------------------------------------
@@ -249,11 +269,10 @@ class ResidencyManager:
         by the next call that evicts: pin with :meth:`prepare_load` before use.
         """
         _check(keys, "lookup")
-        get, states = self._index.get, self._states
+        index = self._index
         n = 0
         for k in keys:
-            s = get(k)
-            if s is None or states[s] < _PINNED:
+            if k not in index:
                 break
             n += 1
         self._hits += n
@@ -292,10 +311,16 @@ class ResidencyManager:
         ``evicted_slots`` before it writes the new block into that slot.
         """
         _check(keys, "prepare_store")
-        index = self._index
+        index, writing = self._index, self._writing
         new = list(filterfalse(index.__contains__, keys))
+        if writing or self._removed_writing or self._removed_pinned:
+            new = [k for k in new if k not in self]
         if not new:
             return _EMPTY_PLAN
+        if not _BYTES_ONLY.issuperset(map(type, new)):
+            # Only here do keys enter the manager: nothing but bytes may.
+            bad = next(k for k in new if type(k) is not bytes)
+            raise InvalidArgumentError(f"prepare_store: every key must be bytes, got {bad!r}")
         n = len(new)
         free = self._free
         unused = self._capacity - self._fresh
@@ -304,32 +329,29 @@ class ResidencyManager:
         evicted: list[bytes] = []
         policy = self._policy
         if need > 0:
-            states = self._states
-            # Present blocks of this call must survive it: hide them from the policy.
-            shielded: list[int] = []
-            if n < len(keys):
-                for s in map(index.get, keys):
-                    if s is not None and states[s] == _EVICTABLE:
-                        states[s] = _PINNED
-                        shielded.append(s)
-            if need > self._evictable - len(shielded):
-                for s in shielded:
-                    states[s] = _EVICTABLE
-                return None
-            policy.missed(new)
-            victims = policy.evict(need)
+            pins = self._pins
+            # Ready blocks of this call must survive it: pin them while evicting.
+            shielded = (
+                [s for s in map(index.get, keys) if s is not None and s not in pins]
+                if n < len(keys)
+                else []
+            )
             for s in shielded:
-                states[s] = _EVICTABLE
+                pins[s] = 1
+            try:
+                if need > len(index) - len(pins) + len(self._removed_pinned):
+                    return None
+                policy.missed(new)
+                victims = policy.evict(need)
+            finally:
+                for s in shielded:
+                    del pins[s]
             if len(victims) != need:
                 raise ProtocolError(
                     f"policy {type(policy).__name__} returned {len(victims)} victims, not {need}"
                 )
-            slot_keys = self._keys
-            evicted = [slot_keys[s] for s in victims]  # type: ignore[misc]
-            pop = index.pop
-            for k in evicted:
-                pop(k)
-            self._evictable -= need
+            evicted = list(map(self._keys.__getitem__, victims))  # type: ignore[arg-type]
+            deque(map(index.__delitem__, evicted), maxlen=0)
             self._evictions += need
             if self._events is not None:
                 self._events.append(BlockRemoved(tuple(evicted), self._tier))
@@ -345,23 +367,8 @@ class ResidencyManager:
             slots.extend(range(fresh, fresh + more))
             self._fresh = fresh + more
         slots.extend(victims)
-        index.update(zip(new, slots, strict=True))
-        slot_keys, states = self._keys, self._states
-        for k, s in zip(new, slots, strict=True):
-            slot_keys[s] = k
-            states[s] = _WRITING
-        if len(index) > 4096:
-            self._check_index()
+        writing.update(zip(new, slots, strict=True))
         return StorePlan(tuple(new), tuple(slots), tuple(evicted), tuple(victims))
-
-    def _check_index(self) -> None:
-        size = sys.getsizeof(self._index)
-        if size > self._index_limit:
-            if size > _INDEX_BYTES_PER_ENTRY * len(self._index):
-                # Copying sizes the table for its entries (see _INDEX_BYTES_PER_ENTRY).
-                self._index = dict(self._index)
-                size = sys.getsizeof(self._index)
-            self._index_limit = size
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         """Finish stores: the blocks become ready, or (on failure) are forgotten.
@@ -388,36 +395,46 @@ class ResidencyManager:
         recent of all. A block removed (:meth:`remove`) while being written is
         freed here whatever ``success`` says and never becomes ready.
         """
-        _check(keys, "complete_store")
-        index, states = self._index, self._states
-        try:
-            slots = list(map(index.__getitem__, keys))
-        except KeyError as exc:
-            raise ProtocolError(f"complete_store: block {exc.args[0]!r} was not prepared") from None
-        seen = bytes(map(states.__getitem__, slots))
-        if seen.count(_WRITING) != len(slots):
-            gone = [
-                (k, s) for k, s in zip(keys, slots, strict=True) if states[s] == _REMOVED_WRITING
-            ]
-            if len(gone) + seen.count(_WRITING) != len(slots):
-                bad = next(
-                    k for k, s in zip(keys, slots, strict=True) if states[s] > _REMOVED_WRITING
-                )
-                raise ProtocolError(f"complete_store: block {bad!r} is not being written")
-            self._release([s for _, s in gone])
-            kept = [(k, s) for k, s in zip(keys, slots, strict=True) if states[s] == _WRITING]
-            keys = [k for k, _ in kept]
-            slots = [s for _, s in kept]
+        # Duplicates are found below: the second pop of a key misses.
+        _check(keys, "complete_store", distinct=False)
+        writing = self._writing
+        slots: list[int] = list(map(writing.pop, keys, repeat(-1)))
+        if -1 in slots:
+            # Put back what was taken, then sort out duplicates, removed or unknown keys.
+            writing.update((k, s) for k, s in zip(keys, slots, strict=True) if s >= 0)
+            _check(keys, "complete_store")
+            keys = self._complete_removed_stores(keys)
+            slots = list(map(writing.pop, keys))
         if not success:
             self._policy.discarded(keys, slots)
-            self._release(slots)
+            self._free.extend(slots)
             return
-        for s in slots:
-            states[s] = _EVICTABLE
-        self._evictable += len(slots)
+        self._index.update(zip(keys, slots, strict=True))
+        deque(map(self._keys.__setitem__, slots, keys), maxlen=0)
         self._policy.inserted(keys, slots)
         if self._events is not None and keys:
             self._events.append(BlockStored(tuple(keys), self._tier))
+        if len(self._index) > 4096:
+            self._check_index()
+
+    def _complete_removed_stores(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Free the removed blocks among ``keys``; return the others (all being written)."""
+        writing, removed = self._writing, self._removed_writing
+        for k in keys:
+            if k not in writing and k not in removed:
+                raise ProtocolError(f"complete_store: block {k!r} is not being written")
+        gone = [k for k in keys if k in removed]
+        self._free.extend(removed.pop(k) for k in gone)
+        return [k for k in keys if k in writing]
+
+    def _check_index(self) -> None:
+        size = sys.getsizeof(self._index)
+        if size > self._index_limit:
+            if size > _INDEX_BYTES_PER_ENTRY * len(self._index):
+                # Copying sizes the table for its entries (see _INDEX_BYTES_PER_ENTRY).
+                self._index = dict(self._index)
+                size = sys.getsizeof(self._index)
+            self._index_limit = size
 
     def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
         """Pin ready blocks for reading and return their slots.
@@ -448,23 +465,17 @@ class ResidencyManager:
         changed: call :meth:`touch`.
         """
         _check(keys, "prepare_load")
-        index, states = self._index, self._states
+        index = self._index
         try:
             slots = list(map(index.__getitem__, keys))
         except KeyError as exc:
-            raise BlockNotFoundError(f"block {exc.args[0]!r} is not resident") from None
-        if slots and min(map(states.__getitem__, slots)) < _PINNED:
-            bad = next(k for k, s in zip(keys, slots, strict=True) if states[s] < _PINNED)
-            raise BlockNotFoundError(f"block {bad!r} is not ready (being written or removed)")
+            (k,) = exc.args
+            why = "is not ready (being written or removed)" if k in self else "is not resident"
+            raise BlockNotFoundError(f"block {k!r} {why}") from None
         pins = self._pins
-        first = 0
+        get = pins.get
         for s in slots:
-            c = pins.get(s, 0)
-            pins[s] = c + 1
-            if not c:
-                states[s] = _PINNED
-                first += 1
-        self._evictable -= first
+            pins[s] = get(s, 0) + 1
         return LoadPlan(tuple(keys), tuple(slots))
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
@@ -484,29 +495,43 @@ class ResidencyManager:
         while pinned is freed now.
         """
         _check(keys, "complete_load")
-        index, pins = self._index, self._pins
+        pins = self._pins
         try:
-            slots = list(map(index.__getitem__, keys))
-        except KeyError as exc:
-            raise ProtocolError(f"complete_load: block {exc.args[0]!r} is not pinned") from None
+            slots = list(map(self._index.__getitem__, keys))
+        except KeyError:
+            self._complete_removed_loads(keys)
+            return
         if not all(map(pins.__contains__, slots)):
             bad = next(k for k, s in zip(keys, slots, strict=True) if s not in pins)
             raise ProtocolError(f"complete_load: block {bad!r} is not pinned")
-        states = self._states
-        done: list[int] = []
         for s in slots:
             c = pins[s] - 1
             if c:
                 pins[s] = c
             else:
                 del pins[s]
-                if states[s] == _PINNED:
-                    states[s] = _EVICTABLE
-                    self._evictable += 1
-                else:
-                    done.append(s)
-        if done:
-            self._release(done)
+
+    def _complete_removed_loads(self, keys: Sequence[bytes]) -> None:
+        """complete_load where some keys were removed while pinned (the slow path)."""
+        index, removed, pins = self._index, self._removed_pinned, self._pins
+        slots: list[int] = []
+        for k in keys:
+            s = index.get(k)
+            if s is None:
+                s = removed.get(k)
+            if s is None or s not in pins:
+                raise ProtocolError(f"complete_load: block {k!r} is not pinned")
+            slots.append(s)
+        for k, s in zip(keys, slots, strict=True):
+            c = pins[s] - 1
+            if c:
+                pins[s] = c
+                continue
+            del pins[s]
+            if k in removed:
+                del removed[k]
+                self._keys[s] = None
+                self._free.append(s)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark blocks used: the first key ends up the most recently used.
@@ -530,7 +555,7 @@ class ResidencyManager:
         try:
             slots = list(map(index.__getitem__, keys))
         except KeyError:
-            slots = [s for s in map(index.get, keys) if s is not None]
+            slots = [index[k] for k in keys if k in index]
         if slots:
             self._policy.touched(slots)
 
@@ -551,7 +576,7 @@ class ResidencyManager:
         -----
         A removed block is at once no hit and not loadable, and a
         :class:`BlockRemoved` event records it if it was ready. Its slot stays
-        taken while the hardware may still touch it: a block pinned by loads is
+        taken while the hardware may still use it: a block pinned by loads is
         freed by its last :meth:`complete_load`, a block being written by its
         :meth:`complete_store` (which then never makes it ready). So a load that
         fails verification may call ``complete_load`` and ``remove`` in either
@@ -559,47 +584,35 @@ class ResidencyManager:
         manager``) and :meth:`prepare_store` skips it.
         """
         _check(keys, "remove")
-        # Pins of blocks removed while pinned stay until their loads complete.
-        index, states = self._index, self._states
+        index, writing, pins = self._index, self._writing, self._pins
         gone: list[bytes] = []
+        slots: list[int] = []
         now: list[int] = []
-        later: list[int] = []
         announced: list[bytes] = []
         for k in keys:
-            s = index.get(k)
-            if s is None:
-                continue
-            st = states[s]
-            if st == _EVICTABLE:
-                now.append(s)
-                self._evictable -= 1
+            s = index.pop(k, None)
+            if s is not None:
                 announced.append(k)
-            elif st == _PINNED:
-                states[s] = _REMOVED_PINNED
-                announced.append(k)
-                later.append(s)
-            elif st == _WRITING:
-                states[s] = _REMOVED_WRITING
-                later.append(s)
+                if s in pins:
+                    self._removed_pinned[k] = s
+                else:
+                    now.append(s)
             else:
-                continue  # removed already
+                s = writing.pop(k, None)
+                if s is None:
+                    continue  # absent, or removed already
+                self._removed_writing[k] = s
             gone.append(k)
+            slots.append(s)
         if gone:
-            self._policy.discarded(gone, now + later)
-            self._release(now)
+            self._policy.discarded(gone, slots)
+            slot_keys = self._keys
+            for s in now:
+                slot_keys[s] = None
+            self._free.extend(now)
             if announced and self._events is not None:
                 self._events.append(BlockRemoved(tuple(announced), self._tier))
         return gone
-
-    def _release(self, slots: list[int]) -> None:
-        """Free slots (the policy has already let go of them)."""
-        index, states, slot_keys = self._index, self._states, self._keys
-        for s in slots:
-            k = slot_keys[s]
-            slot_keys[s] = None
-            states[s] = _FREE
-            del index[k]  # type: ignore[arg-type]
-        self._free.extend(slots)
 
     def reset(self) -> None:
         """Forget every block and zero the counters.
@@ -614,16 +627,16 @@ class ResidencyManager:
         -----
         A :class:`BlockRemoved` event records the ready blocks.
         """
-        states = self._states
-        if self._pins or states.count(_WRITING) or states.count(_REMOVED_WRITING):
+        if self._pins or self._writing or self._removed_writing:
             raise BusyError("reset: blocks are pinned or being written; complete them first")
-        ready = [k for k, s in self._index.items() if states[s] == _EVICTABLE]
-        self._states[:] = bytes(self._capacity)
+        ready = tuple(self._index)
+        # In place: the policy holds these containers.
         self._keys[:] = [None] * self._capacity
         self._policy.clear()
+        events = self._events
         self._clear()
-        if ready and self._events is not None:
-            self._events.append(BlockRemoved(tuple(ready), self._tier))
+        if ready and events is not None:
+            events.append(BlockRemoved(ready, self._tier))
 
     def take_events(self) -> list[ManagerEvent]:
         """Events recorded since the last call, oldest first; empty when disabled."""
@@ -634,17 +647,15 @@ class ResidencyManager:
         return events
 
     def statistics(self) -> ManagerStatistics:
-        """A snapshot of occupancy and counters (O(capacity) in C; not for hot paths)."""
-        states = self._states
-        pinned = states.count(_PINNED)
-        evictable = states.count(_EVICTABLE)
+        """A snapshot of occupancy and counters."""
+        ready = len(self._index)
         return ManagerStatistics(
             capacity=self._capacity,
-            used=len(self._index),
-            ready=pinned + evictable,
-            being_written=states.count(_WRITING) + states.count(_REMOVED_WRITING),
+            used=len(self),
+            ready=ready,
+            being_written=len(self._writing) + len(self._removed_writing),
             pinned=len(self._pins),
-            evictable=evictable,
+            evictable=ready - len(self._pins) + len(self._removed_pinned),
             hits=self._hits,
             misses=self._misses,
             evictions=self._evictions,
@@ -653,5 +664,5 @@ class ResidencyManager:
     def __repr__(self) -> str:
         return (
             f"<ResidencyManager tier={self._tier!r} policy={type(self._policy).__name__} "
-            f"{len(self._index)}/{self._capacity} slots>"
+            f"{len(self)}/{self._capacity} slots>"
         )
