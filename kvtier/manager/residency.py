@@ -45,6 +45,7 @@ __all__ = ["ResidencyManager"]
 
 _BYTES_ONLY = frozenset({bytes})
 _EMPTY_PLAN = StorePlan((), (), (), ())
+_ONE = frozenset({1})
 
 # A dict that has seen many deletions grows its table to 3x its entries at the
 # next resize (CPython's GROWTH_RATE): 60 to 120 bytes an entry. Past this many
@@ -473,9 +474,12 @@ class ResidencyManager:
             why = "is not ready (being written or removed)" if k in self else "is not resident"
             raise BlockNotFoundError(f"block {k!r} {why}") from None
         pins = self._pins
-        get = pins.get
-        for s in slots:
-            pins[s] = get(s, 0) + 1
+        if pins.keys().isdisjoint(slots):
+            pins.update(zip(slots, repeat(1)))  # the usual case, in C: first pins
+        else:
+            get = pins.get
+            for s in slots:
+                pins[s] = get(s, 0) + 1
         return LoadPlan(tuple(keys), tuple(slots))
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
@@ -501,9 +505,14 @@ class ResidencyManager:
         except KeyError:
             self._complete_removed_loads(keys)
             return
-        if not all(map(pins.__contains__, slots)):
+        try:
+            counts = set(map(pins.__getitem__, slots))
+        except KeyError:
             bad = next(k for k, s in zip(keys, slots, strict=True) if s not in pins)
-            raise ProtocolError(f"complete_load: block {bad!r} is not pinned")
+            raise ProtocolError(f"complete_load: block {bad!r} is not pinned") from None
+        if counts == _ONE:
+            deque(map(pins.__delitem__, slots), maxlen=0)  # the usual case, in C: last pins
+            return
         for s in slots:
             c = pins[s] - 1
             if c:
