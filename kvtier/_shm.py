@@ -1,0 +1,475 @@
+"""Private: how worker processes create, join and clean up one shared region file.
+
+The protocol (see docs/cpu-region.md for the picture):
+
+* The rendezvous is ``/dev/shm/kvtier-<name>``: a 4 KiB header, then (from file
+  offset :data:`PMD_SIZE`, so that shmem huge pages could line up) the rows,
+  unless the header names a hugetlbfs file that holds them.
+* Two open-file-description locks (``F_OFD_SETLK``, per open file, not per
+  process) on single header bytes: the **mutex** (byte 0, exclusive) guards the
+  header; **live** (byte 1, shared) is held by every attached process until it
+  closes or dies. The kernel drops both when a process dies.
+* Exactly one creator: it makes an unnamed file (``O_TMPFILE``), takes the mutex
+  and only then links it under the name (``link`` fails with ``EEXIST`` exactly as
+  ``O_CREAT | O_EXCL`` would). The file is therefore never visible unlocked, and
+  a joiner that gets the mutex while the header is not marked ready knows the
+  creator died part way.
+* The creator checks free space, sizes the file, allocates every page
+  (``posix_fallocate``: a clear error now instead of a SIGBUS later), writes the
+  header marked ready and attaches itself. Each joiner checks the geometry,
+  sets its rank's bit and takes the live lock. The process whose attach makes
+  the count reach ``world_size`` unlinks the name: from then on a crash of every
+  process leaves nothing behind. A process that closes while no other holds the
+  live lock unlinks it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass
+
+from kvtier._mmap import PAGE_SIZE, PMD_SIZE, round_up
+from kvtier.errors import CapacityError, InvalidArgumentError, SharedRegionError
+
+__all__ = [
+    "FILE_PREFIX",
+    "MAX_WORLD_SIZE",
+    "SHM_DIR",
+    "Attachment",
+    "Geometry",
+    "attach",
+    "detach",
+    "region_path",
+]
+
+SHM_DIR = "/dev/shm"
+FILE_PREFIX = "kvtier-"
+MAX_WORLD_SIZE = 1024
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
+
+_MAGIC = b"KVTIERRG"
+_VERSION = 1
+_READY = 1
+# magic, version, state, data_offset, data_bytes, rows, row_stride, slice_bytes,
+# alignment, world_size, creator_pid, attached, page_size, namespace, data path
+_HEADER = struct.Struct("<8sIIQQQQQQIIIQ16s256s")
+_RANKS_AT = 512
+_HEADER_BYTES = _RANKS_AT + MAX_WORLD_SIZE // 8
+_MUTEX, _LIVE = 0, 1
+_FLOCK = struct.Struct("@hhqqi4x")  # struct flock on 64-bit Linux
+_DETACH_WAIT = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """What every process sharing a region must agree on."""
+
+    rows: int
+    """Rows in the region."""
+    row_stride: int
+    """Bytes from one row to the next."""
+    slice_bytes: int
+    """Bytes of one worker's slice."""
+    alignment: int
+    """Alignment of every row."""
+    world_size: int
+    """Processes sharing the region."""
+    namespace: bytes
+    """The layout's namespace (same for every rank of one model)."""
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of all rows."""
+        return self.rows * self.row_stride
+
+
+@dataclass(slots=True)
+class Attachment:
+    """One process's hold on a shared region file."""
+
+    fd: int
+    """The header file; its open file description holds the live lock."""
+    data_fd: int
+    """The file holding the rows (``fd`` unless hugetlbfs backs them)."""
+    data_offset: int
+    """File offset of row 0 in ``data_fd``."""
+    map_length: int
+    """Bytes to map (rows, rounded to the backing's page size)."""
+    backing: str
+    """``"shm"`` or ``"hugetlbfs"``."""
+    page_size: int
+    """Page size of the backing."""
+    created: bool
+    """True in the one process that created the file."""
+    path: str
+    """The rendezvous file."""
+    data_path: str | None
+    """The hugetlbfs file, if any."""
+
+
+def region_path(name: str) -> str:
+    """The rendezvous file of region ``name``; raise for names that are not plain."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name in (".", ".."):
+        raise InvalidArgumentError(
+            f"shared_name must be 1-200 characters of [A-Za-z0-9._-] (no slashes), got {name!r}"
+        )
+    return os.path.join(SHM_DIR, FILE_PREFIX + name)
+
+
+# -- locks --------------------------------------------------------------------------------
+
+
+def _setlk(fd: int, ltype: int, byte: int) -> bool:
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(ltype, os.SEEK_SET, byte, 1, 0))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _held_by_others(fd: int, byte: int) -> bool:
+    query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0)
+    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, query)
+    return bool(_FLOCK.unpack(answer)[0] != fcntl.F_UNLCK)
+
+
+def _acquire_mutex(fd: int, deadline: float) -> bool:
+    pause = 0.0005
+    while not _setlk(fd, fcntl.F_WRLCK, _MUTEX):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    return True
+
+
+def _release_mutex(fd: int) -> None:
+    _setlk(fd, fcntl.F_UNLCK, _MUTEX)
+
+
+# -- names ----------------------------------------------------------------------------------
+
+
+def _same_file(path: str, fd: int) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _unlink_names(att_path: str, fd: int, data_path: str | None) -> None:
+    """Remove the names (only if ``path`` still names our file); the memory stays mapped."""
+    if _same_file(att_path, fd):
+        os.unlink(att_path)
+        if data_path is not None:  # pragma: no cover - needs reserved huge pages
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(data_path)
+
+
+def _hugetlbfs_dir(need: int) -> tuple[str, int] | None:
+    """A writable hugetlbfs mount with ``need`` bytes of free huge pages, if any."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        free = int(info["HugePages_Free"].split()[0])
+        default_size = int(info["Hugepagesize"].split()[0]) * 1024
+        with open("/proc/mounts") as f:
+            mounts = [line.split() for line in f]
+    except (OSError, KeyError, ValueError):  # pragma: no cover - exotic /proc
+        return None
+    for _dev, where, fstype, options, *_ in mounts:
+        if fstype != "hugetlbfs":
+            continue
+        size = default_size  # pragma: no cover - needs a hugetlbfs mount
+        for opt in options.split(","):  # pragma: no cover - needs a hugetlbfs mount
+            if opt.startswith("pagesize="):
+                text = opt.removeprefix("pagesize=").upper()
+                mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+                size = int(text.rstrip("KMG")) * mult
+        if size != default_size:  # pragma: no cover - HugePages_Free counts default pages
+            continue
+        if free * size >= round_up(need, size) and os.access(where, os.W_OK):  # pragma: no cover
+            return where, size
+    return None
+
+
+# -- header -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Header:
+    state: int
+    data_offset: int
+    data_bytes: int
+    geometry: Geometry
+    creator_pid: int
+    attached: int
+    page_size: int
+    data_path: str | None
+    ranks: bytearray
+
+
+def _read_header(fd: int) -> _Header | None:
+    raw = os.pread(fd, _HEADER_BYTES, 0)
+    if len(raw) < _HEADER_BYTES:
+        return None
+    f = _HEADER.unpack_from(raw)
+    if f[0] != _MAGIC or f[1] != _VERSION:
+        return None
+    path = f[14].rstrip(b"\0").decode()
+    return _Header(
+        state=f[2],
+        data_offset=f[3],
+        data_bytes=f[4],
+        geometry=Geometry(f[5], f[6], f[7], f[8], f[9], f[13]),
+        creator_pid=f[10],
+        attached=f[11],
+        page_size=f[12],
+        data_path=path or None,
+        ranks=bytearray(raw[_RANKS_AT:_HEADER_BYTES]),
+    )
+
+
+def _write_header(fd: int, h: _Header) -> None:
+    g = h.geometry
+    packed = _HEADER.pack(
+        _MAGIC,
+        _VERSION,
+        h.state,
+        h.data_offset,
+        h.data_bytes,
+        g.rows,
+        g.row_stride,
+        g.slice_bytes,
+        g.alignment,
+        g.world_size,
+        h.creator_pid,
+        h.attached,
+        h.page_size,
+        g.namespace,
+        (h.data_path or "").encode(),
+    )
+    buf = packed.ljust(_RANKS_AT, b"\0") + bytes(h.ranks)
+    if os.pwrite(fd, buf, 0) != len(buf):  # pragma: no cover - tmpfs writes whole
+        raise SharedRegionError("short write of the shared region header")
+
+
+def _attach_rank(fd: int, h: _Header, rank: int, path: str) -> None:
+    h.ranks[rank // 8] |= 1 << (rank % 8)
+    h.attached += 1
+    _write_header(fd, h)
+    _setlk(fd, fcntl.F_RDLCK, _LIVE)
+    if h.attached >= h.geometry.world_size:
+        # Every process has the file open (and maps it through that descriptor):
+        # the name is no longer needed, and without it a crash leaves nothing.
+        _unlink_names(path, fd, h.data_path)
+
+
+# -- attach / detach ------------------------------------------------------------------------
+
+
+def attach(name: str, geometry: Geometry, rank: int, join_timeout: float) -> Attachment:
+    """Create the region file ``name``, or join it; see the module docstring.
+
+    Raises
+    ------
+    SharedRegionError
+        The creator died part way (its file is removed), it did not finish
+        within ``join_timeout``, the file was made for another geometry, or
+        ``rank`` is already attached.
+    CapacityError
+        ``/dev/shm`` (or the huge page pool) lacks the room; nothing is left behind.
+    """
+    path = region_path(name)
+    deadline = time.monotonic() + join_timeout
+    while True:
+        created = _try_create(path, geometry, rank)
+        if created is not None:
+            return created
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue  # removed between our link attempt and open: try to create again
+        except OSError as exc:
+            raise SharedRegionError(f"cannot open shared region {path}: {exc}") from exc
+        try:
+            joined = _join(fd, path, geometry, rank, deadline, join_timeout)
+        except BaseException:
+            os.close(fd)
+            raise
+        if joined is not None:
+            return joined
+        os.close(fd)
+        if time.monotonic() >= deadline:
+            raise SharedRegionError(
+                f"could not join shared region {path} within {join_timeout} s: it kept "
+                "being removed under us"
+            )
+
+
+def _try_create(path: str, geometry: Geometry, rank: int) -> Attachment | None:
+    fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        _setlk(fd, fcntl.F_WRLCK, _MUTEX)
+        os.fchmod(fd, 0o600)
+        # Plain link(2) would link the /proc symlink itself; a dir_fd makes
+        # Python call linkat(2) with AT_SYMLINK_FOLLOW, which links the file.
+        proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.link(str(fd), path, src_dir_fd=proc, follow_symlinks=True)
+        finally:
+            os.close(proc)
+    except FileExistsError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        att = _initialize(fd, path, geometry, rank)
+    except BaseException:
+        _unlink_names(path, fd, None)
+        os.close(fd)
+        raise
+    _release_mutex(fd)
+    return att
+
+
+def _initialize(fd: int, path: str, geometry: Geometry, rank: int) -> Attachment:
+    data_bytes = geometry.data_bytes
+    huge = _hugetlbfs_dir(data_bytes)
+    data_fd, data_path, page_size = fd, None, PAGE_SIZE
+    data_offset, map_length, backing = PMD_SIZE, data_bytes, "shm"
+    if huge is not None:  # pragma: no cover - needs reserved huge pages
+        where, page_size = huge
+        data_path = os.path.join(where, os.path.basename(path))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(data_path)  # a leftover of a crash: we hold the name now
+        data_fd = os.open(data_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        data_offset, map_length, backing = 0, round_up(data_bytes, page_size), "hugetlbfs"
+    try:
+        st = os.fstatvfs(data_fd)
+        free = st.f_bavail * st.f_frsize
+        need = map_length + (_HEADER_BYTES if data_fd == fd else 0)
+        if free < need:
+            raise CapacityError(
+                f"{os.path.dirname(data_path or path)} has {free} bytes free but the shared "
+                f"region needs {need} ({geometry.rows} rows of {geometry.row_stride} bytes)"
+            )
+        os.ftruncate(fd, data_offset + map_length if data_fd == fd else _HEADER_BYTES)
+        if data_fd != fd:  # pragma: no cover - needs reserved huge pages
+            os.ftruncate(data_fd, map_length)
+        try:
+            os.posix_fallocate(data_fd, data_offset, map_length)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise CapacityError(
+                    f"could not allocate {map_length} bytes for shared region {path}: "
+                    f"{os.strerror(exc.errno)}"
+                ) from exc
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # pragma: no cover
+                raise
+        header = _Header(
+            state=_READY,
+            data_offset=data_offset,
+            data_bytes=data_bytes,
+            geometry=geometry,
+            creator_pid=os.getpid(),
+            attached=0,
+            page_size=page_size,
+            data_path=data_path,
+            ranks=bytearray(MAX_WORLD_SIZE // 8),
+        )
+        _attach_rank(fd, header, rank, path)
+    except BaseException:
+        if data_fd != fd:  # pragma: no cover - needs reserved huge pages
+            if data_path is not None:
+                os.unlink(data_path)
+            os.close(data_fd)
+        raise
+    return Attachment(
+        fd, data_fd, data_offset, map_length, backing, page_size, True, path, data_path
+    )
+
+
+def _join(
+    fd: int, path: str, geometry: Geometry, rank: int, deadline: float, join_timeout: float
+) -> Attachment | None:
+    if not _acquire_mutex(fd, deadline):
+        raise SharedRegionError(
+            f"shared region {path} was not ready within join_timeout={join_timeout} s: "
+            "its creator is alive but has not finished (stopped or stuck?)"
+        )
+    try:
+        if os.fstat(fd).st_nlink == 0:
+            return None  # complete and unlinked, or removed as stale: start over
+        h = _read_header(fd)
+        if h is None or h.state != _READY:
+            _unlink_names(path, fd, None if h is None else h.data_path)
+            pid = "" if h is None else f" (pid {h.creator_pid})"
+            raise SharedRegionError(
+                f"the creator of shared region {path}{pid} died before the region was "
+                "ready; the partial file was removed, so creating it again will start afresh"
+            )
+        if not _held_by_others(fd, _LIVE):
+            # Ready, but every process that attached has gone: nobody can still
+            # rely on its bytes. Remove it and create a fresh one.
+            _unlink_names(path, fd, h.data_path)
+            return None
+        _check_geometry(path, h.geometry, geometry)
+        if h.ranks[rank // 8] & (1 << (rank % 8)):
+            raise SharedRegionError(f"rank {rank} is already attached to shared region {path}")
+        data_fd = fd
+        if h.data_path is not None:  # pragma: no cover - needs reserved huge pages
+            data_fd = os.open(h.data_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        map_length = round_up(h.data_bytes, h.page_size)
+        _attach_rank(fd, h, rank, path)
+        backing = "shm" if h.data_path is None else "hugetlbfs"
+        return Attachment(
+            fd, data_fd, h.data_offset, map_length, backing, h.page_size, False, path, h.data_path
+        )
+    finally:
+        _release_mutex(fd)
+
+
+def _check_geometry(path: str, theirs: Geometry, mine: Geometry) -> None:
+    if theirs == mine:
+        return
+    diffs = [
+        f"{field}: region has {getattr(theirs, field)!r}, "
+        f"this process asks {getattr(mine, field)!r}"
+        for field in Geometry.__slots__
+        if getattr(theirs, field) != getattr(mine, field)
+    ]
+    raise SharedRegionError(
+        f"shared region {path} was created for another geometry ({'; '.join(diffs)}); "
+        "every worker must pass the same layout namespace, budget, world_size and alignment"
+    )
+
+
+def detach(att: Attachment) -> None:
+    """Drop this process's hold; remove the names if no other process holds the region."""
+    try:
+        if _acquire_mutex(att.fd, time.monotonic() + _DETACH_WAIT):
+            try:
+                _setlk(att.fd, fcntl.F_UNLCK, _LIVE)
+                if os.fstat(att.fd).st_nlink and not _held_by_others(att.fd, _LIVE):
+                    _unlink_names(att.path, att.fd, att.data_path)
+            finally:
+                _release_mutex(att.fd)
+        # Without the mutex (a stuck creator holds it) the name stays; the next
+        # joiner finds nobody live and removes it.
+    finally:
+        if att.data_fd != att.fd:  # pragma: no cover - needs reserved huge pages
+            os.close(att.data_fd)
+        os.close(att.fd)
