@@ -265,7 +265,12 @@ class _MetaWorker:
 
 def _deliver(done: list[tuple[Callable[[OSError | None], None], OSError | None]]) -> None:
     for then, exc in done:
-        then(exc)
+        try:
+            then(exc)
+        except Exception:
+            # One failing callback must not strand the rest of the batch (their
+            # blocks would stay in flight and aclose would wait forever).
+            log.exception("file tier: a metadata completion failed")
 
 
 class FileTier:
@@ -339,6 +344,8 @@ class FileTier:
         self._spares: list[str] = []
         self._meta = _MetaWorker(self._loop)
         self._pending_stores = 0
+        self._spares_coming = 0
+        self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self._idle: asyncio.Future[None] | None = None
         self._quarantine_seq = 0
@@ -625,10 +632,6 @@ class FileTier:
             if key in to_write:
                 self._pending.append(_BlockOp(True, key, view, job))
                 self._pending_stores += 1
-        # Budget invariant: spares never outnumber the stores that will overwrite them.
-        while len(self._spares) > self._pending_stores:
-            with contextlib.suppress(OSError):
-                os.unlink(self._spares.pop(), dir_fd=self._tmp_fd)
         if not to_write:
             self._finish_job(job)
         self._pump()
@@ -720,7 +723,7 @@ class FileTier:
         """
         first = not self._closed
         self._closed = True
-        if self._active or self._pending:
+        if self._active or self._pending or self._spares_coming:
             if self._idle is None:
                 self._idle = self._loop.create_future()
             await asyncio.shield(self._idle)
@@ -769,6 +772,10 @@ class FileTier:
 
     def _pump(self) -> None:
         while self._pending and self._active < self._max_active:
+            if self._pending[0].store and not self._spares and self._spares_coming:
+                # An evicted file is on its way to tmp/: overwriting it is far
+                # cheaper than creating a file, so wait for it (in order).
+                break
             op = self._pending.popleft()
             self._pending_stores -= op.store
             self._active += 1
@@ -838,16 +845,13 @@ class FileTier:
             self._block_done(op, err)
             return
         if self._fsync:
-            self._loop.create_task(self._sync_and_publish(op))
+            task = self._loop.create_task(self._sync_and_publish(op))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
             return
-        tmp, final = op.tmp, self._block_path(op.key)
-        src, dst = self._tmp_fd, self._ns_fd
         # On the metadata thread: a rename costs 20-40 us of kernel time, which
         # would otherwise serialise with checksums and submissions on the loop.
-        self._meta.submit(
-            lambda: os.rename(tmp, final, src_dir_fd=src, dst_dir_fd=dst),
-            lambda exc: self._published(op, exc),
-        )
+        self._meta.submit(self._rename_into_place(op), lambda exc: self._published(op, exc))
 
     def _published(self, op: _BlockOp, exc: OSError | None) -> None:
         if exc is not None:
@@ -861,32 +865,49 @@ class FileTier:
         err: KVTierError | None = None
         try:
             await self._engine.fsync(op.fd)
-            err = self._publish(op)
-            if err is None:
-                # The rename is durable only once its directory is flushed.
-                name = op.key.hex()
-                dfd = os.open(
-                    f"blocks/{name[:2]}", os.O_RDONLY | os.O_DIRECTORY, dir_fd=self._ns_fd
-                )
-                try:
-                    await self._engine.fsync(dfd)
-                finally:
-                    os.close(dfd)
+            # Through the metadata thread like every other rename: its FIFO order
+            # puts this rename after the spare rename of an earlier eviction of
+            # the same key, which would otherwise move the new file aside.
+            exc = await self._meta_call(self._rename_into_place(op))
+            if exc is not None:
+                raise exc
+            op.tmp = ""
+            # The rename is durable only once its directory is flushed.
+            name = op.key.hex()
+            dfd = os.open(
+                f"blocks/{name[:2]}",
+                os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                dir_fd=self._ns_fd,
+            )
+            try:
+                await self._engine.fsync(dfd)
+            finally:
+                os.close(dfd)
         except TierIOError as exc:
             err = TierIOError(exc.errno or 0, f"fsync: {exc.strerror}", self._abs_tmp(op))
         except OSError as exc:
-            err = self._io_error(exc, "fsync", self._abs_tmp(op))
+            err = self._io_error(exc, "fsync or rename", self._abs_tmp(op))
+        if err is not None and not op.tmp:
+            # Renamed but not durable: a failed block must not stay on disk
+            # outside the budget (its slot is freed below).
+            self._unlink_block(op.key)
         self._block_done(op, err)
 
-    def _publish(self, op: _BlockOp) -> KVTierError | None:
-        try:
-            os.rename(
-                op.tmp, self._block_path(op.key), src_dir_fd=self._tmp_fd, dst_dir_fd=self._ns_fd
-            )
-        except OSError as exc:
-            return self._io_error(exc, "cannot rename block file into place", self._abs_tmp(op))
-        op.tmp = ""
-        return None
+    def _rename_into_place(self, op: _BlockOp) -> Callable[[], object]:
+        tmp, final = op.tmp, self._block_path(op.key)
+        src, dst = self._tmp_fd, self._ns_fd
+        return lambda: os.rename(tmp, final, src_dir_fd=src, dst_dir_fd=dst)
+
+    def _meta_call(self, call: Callable[[], object]) -> asyncio.Future[OSError | None]:
+        """Run ``call`` on the metadata thread; the future gives its OSError or None."""
+        fut: asyncio.Future[OSError | None] = self._loop.create_future()
+
+        def then(exc: OSError | None) -> None:
+            if not fut.done():
+                fut.set_result(exc)
+
+        self._meta.submit(call, then)
+        return fut
 
     def _start_load(self, op: _BlockOp) -> None:
         try:
@@ -974,8 +995,12 @@ class FileTier:
         if job.remaining == 0:
             self._finish_job(job)
         self._pump()
+        self._check_idle()
+
+    def _check_idle(self) -> None:
         idle = self._idle
-        if not self._active and not self._pending and idle is not None and not idle.done():
+        busy = self._active or self._pending or self._spares_coming
+        if not busy and idle is not None and not idle.done():
             idle.set_result(None)
 
     def _forget_bad_block(self, key: bytes, err: KVTierError) -> None:
@@ -1023,14 +1048,28 @@ class FileTier:
         """
         self._tmp_seq += 1
         name = f"spare.{os.getpid()}.{self._tmp_seq}.tmp"
-        try:
-            os.rename(self._block_path(key), name, src_dir_fd=self._ns_fd, dst_dir_fd=self._tmp_fd)
-        except FileNotFoundError:
-            return
-        except OSError:
+        src, ns_fd, tmp_fd = self._block_path(key), self._ns_fd, self._tmp_fd
+        self._spares_coming += 1
+        # On the metadata thread, before any later rename of the same key (FIFO).
+        self._meta.submit(
+            lambda: os.rename(src, name, src_dir_fd=ns_fd, dst_dir_fd=tmp_fd),
+            lambda exc: self._spare_ready(key, name, exc),
+        )
+
+    def _spare_ready(self, key: bytes, name: str, exc: OSError | None) -> None:
+        self._spares_coming -= 1
+        if exc is None:
+            if len(self._spares) < self._pending_stores:
+                self._spares.append(name)
+            else:
+                # Budget invariant: spares never outnumber the stores that will
+                # overwrite them (some of those failed or found another spare).
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=self._tmp_fd)
+        elif not isinstance(exc, FileNotFoundError) and key not in self._manager:
             self._unlink_block(key)
-            return
-        self._spares.append(name)
+        self._pump()
+        self._check_idle()
 
     def _unlink_block(self, key: bytes) -> None:
         try:

@@ -487,3 +487,102 @@ async def test_direct_io_refused(open_tier: OpenTier, refusing_dir: Path) -> Non
     odd = bytearray(BLOCK + 1)
     assert (await tier.store(keys(1, salt=3), [memoryview(odd)[1:]])).stored
     await tier.aclose()
+
+
+# -- recycled files (evictions move their file to tmp/ for the next store) ---------------
+
+
+def pattern_rows(ks: list[bytes]) -> Rows:
+    """Rows whose bytes are a function of their key, so any load can be checked."""
+    rows = Rows(len(ks))
+    for i, k in enumerate(ks):
+        rows.map[i * BLOCK : (i + 1) * BLOCK] = k * (BLOCK // len(k))
+    return rows
+
+
+def assert_disk_matches(tier: FileTier, space: list[bytes]) -> None:
+    """At rest: one file per resident block, nothing left in tmp/, usage exact."""
+    resident = {k.hex() for k in space if k in tier}
+    assert {p.name for p in block_files(tier)} == resident
+    assert not list((tier.path / "tmp").iterdir())
+    stats = tier.statistics()
+    assert stats.blocks == len(resident)
+    assert (
+        stats.used_bytes == len(resident) * FILE == sum(p.stat().st_size for p in block_files(tier))
+    )
+    assert stats.used_bytes <= stats.capacity_bytes
+
+
+@pytest.mark.parametrize("durability", ["none", "fsync"])
+async def test_evicted_key_stored_again_at_once(open_tier: OpenTier, durability: str) -> None:
+    tier = await open_tier(blocks=3, durability=durability)
+    ks = keys(5)
+    await tier.store(ks[:3], pattern_rows(ks[:3]).rows())
+    # Least recent first: k0, k1, k2 (fsync completes them in any order).
+    tier.touch([ks[1]])
+    tier.touch([ks[2]])
+    # k0 is evicted (its file is on its way to tmp/) and stored again before
+    # that move has happened: the new file must not be the one moved aside.
+    first = tier.store(ks[3:5], pattern_rows(ks[3:5]).rows())
+    again = tier.store(ks[:1], pattern_rows(ks[:1]).rows())
+    r1, r2 = await first, await again
+    assert set(r1.evicted) == {ks[0], ks[1]}
+    assert r2.stored == (ks[0],)
+    assert r2.evicted == (ks[2],)
+    dst = Rows(3)
+    loaded = await tier.load([ks[0], ks[3], ks[4]], dst.rows())
+    assert loaded.loaded == (ks[0], ks[3], ks[4])
+    assert dst.map[:] == pattern_rows([ks[0], ks[3], ks[4]]).map[:]
+    assert_disk_matches(tier, ks)
+
+
+@pytest.mark.parametrize("durability", ["none", "fsync"])
+async def test_concurrent_calls_keep_files_and_budget_consistent(
+    open_tier: OpenTier, durability: str
+) -> None:
+    import random
+
+    rng = random.Random(5)
+    space = keys(14, salt=7)
+    tier = await open_tier(blocks=5, durability=durability)
+    for _ in range(25):
+        calls: list[Any] = []
+        for _ in range(rng.randint(1, 4)):
+            op = rng.random()
+            picked = rng.sample(space, rng.randint(1, 4))
+            if op < 0.55:
+                calls.append(("store", picked, tier.store(picked, pattern_rows(picked).rows())))
+            elif op < 0.9:
+                dst = Rows(len(picked))
+                calls.append(("load", picked, dst, tier.load(picked, dst.rows())))
+            else:
+                tier.remove(picked)
+        for call in calls:
+            if call[0] == "store":
+                result = await call[2]
+                assert all(isinstance(e, CapacityError) for e in result.failed.values())
+            else:
+                _, picked, dst, done = call
+                result = await done
+                # Only "not here" misses: a ready block's file is never lost or swapped.
+                assert all(isinstance(e, BlockNotFoundError) for e in result.missing.values())
+                for k in result.loaded:
+                    i = picked.index(k)
+                    assert dst.map[i * BLOCK : (i + 1) * BLOCK] == k * (BLOCK // len(k))
+        assert_disk_matches(tier, space)
+    assert tier.statistics().evictions > 5
+
+
+async def test_aclose_while_evicted_files_move(open_tier: OpenTier, tmp_path: Path) -> None:
+    tier = await open_tier(blocks=3)
+    ks = keys(6)
+    await tier.store(ks[:3], pattern_rows(ks[:3]).rows())
+    done = tier.store(ks[3:], pattern_rows(ks[3:]).rows())
+    await tier.aclose()
+    assert done.done()
+    assert (await done).stored == tuple(ks[3:])
+    assert not list((tier.path / "tmp").iterdir())
+    assert {p.name for p in block_files(tier)} == {k.hex() for k in ks[3:]}
+    again = await open_tier(blocks=3)
+    assert again.statistics().removed_temporaries == 0
+    assert again.lookup(ks[3:]) == 3
