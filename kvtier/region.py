@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import math
 import weakref
 from collections.abc import Callable
@@ -298,6 +299,11 @@ class CPURegion:
                 )
         except OSError as exc:
             self._detach()
+            if exc.errno == errno.ENOMEM:
+                raise CapacityError(
+                    f"the system refused to map a {length}-byte CPU region ({rows} rows of "
+                    f"{row_stride} bytes): not enough memory"
+                ) from exc
             raise TierIOError(exc.errno or 0, f"mapping a {length}-byte CPU region") from exc
         except BaseException:
             self._detach()

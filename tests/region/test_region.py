@@ -390,3 +390,20 @@ def test_shared_geometry_mismatch_and_duplicate_rank(
         with pytest.raises(SharedRegionError, match="namespace"):
             CPURegion.create(other, 1 * MiB, world_size=3, rank=1, shared_name=shm_name, pin="off")
     assert not leftovers(shm_name)
+
+
+def test_a_budget_beyond_memory_is_a_capacity_error(layout: KVLayout) -> None:
+    with open("/proc/sys/vm/overcommit_memory") as f:
+        if f.read().strip() == "1":
+            pytest.skip("overcommit_memory=1 maps anything; populating would OOM")
+    with pytest.raises(CapacityError, match="not enough memory"):
+        CPURegion.create(layout, 1 << 50, pin="off")
+
+
+def test_a_budget_beyond_dev_shm_is_a_capacity_error(
+    layout: KVLayout, leftovers: Leftovers, shm_name: str
+) -> None:
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    with pytest.raises(CapacityError, match="bytes free but the shared region needs"):
+        CPURegion.create(layout, 2 * free + MiB, shared_name=shm_name, pin="off")
+    assert not leftovers(shm_name)

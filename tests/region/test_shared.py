@@ -1,0 +1,211 @@
+"""Shared CPU regions across real worker processes on the real /dev/shm."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.errors import SharedRegionError
+from kvtier.layout import KVLayout
+from kvtier.region import CPURegion
+
+WORKER = Path(__file__).with_name("_worker.py")
+BUDGET = 1 << 20
+Leftovers = Callable[[str], list[Any]]
+
+
+class Workers:
+    """Worker processes of one test; every one still running at the end is killed."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def spawn(
+        self, name: str, world: int, rank: int, mode: str, *extra: str
+    ) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKER), name, str(world), str(rank), str(BUDGET), mode, *extra],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def report(proc: subprocess.Popen[str]) -> dict[str, Any]:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            assert proc.stderr is not None
+            raise AssertionError(f"worker said nothing; stderr:\n{proc.stderr.read()}")
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    def finish(self, proc: subprocess.Popen[str]) -> dict[str, Any]:
+        out = self.report(proc)
+        assert proc.wait(timeout=20) == 0
+        return out
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+@pytest.fixture
+def workers() -> Iterator[Workers]:
+    group = Workers()
+    yield group
+    group.kill_all()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_workers_see_each_others_slices(
+    workers: Workers, leftovers: Leftovers, shm_name: str, world: int
+) -> None:
+    procs = [workers.spawn(shm_name, world, rank, "exchange") for rank in range(world)]
+    reports = [workers.finish(p) for p in procs]
+    assert all(r["saw_all"] for r in reports), reports
+    assert all(r["padding_zero"] for r in reports), reports
+    assert sum(r["created"] for r in reports) == 1
+    assert {r["backing"] for r in reports} <= {"shm", "hugetlbfs"}
+    assert not leftovers(shm_name)
+
+
+def test_creation_race_has_exactly_one_creator(
+    workers: Workers, leftovers: Leftovers, shm_name: str
+) -> None:
+    world = 8
+    procs = [workers.spawn(shm_name, world, rank, "exchange", "gate") for rank in range(world)]
+    for proc in procs:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+    for proc in procs:  # release them together
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    reports = [workers.finish(p) for p in procs]
+    assert all("error" not in r for r in reports), reports
+    assert sum(r["created"] for r in reports) == 1
+    assert all(r["saw_all"] for r in reports), reports
+    assert not leftovers(shm_name)
+
+
+def test_sigkill_after_everyone_attached_leaves_no_file(
+    workers: Workers, leftovers: Leftovers, shm_name: str
+) -> None:
+    procs = [workers.spawn(shm_name, 3, rank, "hold") for rank in range(3)]
+    reports = [workers.report(p) for p in procs]
+    assert sum(r["created"] for r in reports) == 1
+    # Every worker has mapped it: the name is already gone, so no crash can leak it.
+    assert not leftovers(shm_name)
+    procs[1].send_signal(signal.SIGKILL)
+    assert procs[1].wait() == -signal.SIGKILL
+    assert not leftovers(shm_name)
+    for proc in (procs[0], procs[2]):
+        proc.kill()
+        proc.wait()
+    assert not leftovers(shm_name)
+
+
+def test_crash_before_everyone_attached_is_recreated_fresh(
+    workers: Workers, leftovers: Leftovers, shm_name: str, layout: KVLayout
+) -> None:
+    procs = [workers.spawn(shm_name, 3, rank, "hold") for rank in range(2)]
+    for proc in procs:
+        workers.report(proc)
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+    # Rank 2 never came: the name is still there, but nobody holds the region...
+    assert leftovers(shm_name)
+    # ...so the next run removes the abandoned file and starts afresh.
+    again = [workers.spawn(shm_name, 3, rank, "exchange") for rank in range(3)]
+    reports = [workers.finish(p) for p in again]
+    assert all(r["saw_all"] for r in reports), reports
+    assert sum(r["created"] for r in reports) == 1
+    assert not leftovers(shm_name)
+
+
+def test_last_close_removes_the_file_before_everyone_attached(
+    layout: KVLayout, leftovers: Leftovers, shm_name: str
+) -> None:
+    first = CPURegion.create(layout, BUDGET, world_size=3, shared_name=shm_name, pin="off")
+    second = CPURegion.create(layout, BUDGET, world_size=3, rank=1, shared_name=shm_name, pin="off")
+    assert leftovers(shm_name)
+    first.close()
+    assert leftovers(shm_name)  # rank 1 still holds it
+    second.close()
+    assert not leftovers(shm_name)
+
+
+# A creator that dies part way: it follows the real protocol (unnamed file,
+# mutex taken, linked under the name, sized) and then stops before the header
+# is marked ready, as a creator SIGKILLed between ftruncate and populate would.
+STUCK_CREATOR = textwrap.dedent(
+    """
+    import fcntl, os, sys, time
+    from kvtier import _shm
+    path = _shm.region_path(sys.argv[1])
+    fd = os.open(_shm.SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600)
+    assert _shm._setlk(fd, fcntl.F_WRLCK, _shm._MUTEX)
+    proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
+    os.link(str(fd), path, src_dir_fd=proc, follow_symlinks=True)
+    os.ftruncate(fd, 64 << 20)
+    print("ready", flush=True)
+    time.sleep(3600)
+    """
+)
+
+
+def test_joiner_times_out_then_sees_that_the_creator_died(
+    workers: Workers, layout: KVLayout, leftovers: Leftovers, shm_name: str
+) -> None:
+    creator = subprocess.Popen(
+        [sys.executable, "-c", STUCK_CREATOR, shm_name], stdout=subprocess.PIPE, text=True
+    )
+    workers.procs.append(creator)
+    assert creator.stdout is not None
+    assert creator.stdout.readline().strip() == "ready"
+    start = time.monotonic()
+    with pytest.raises(SharedRegionError, match=r"not ready within join_timeout=0\.3"):
+        CPURegion.create(
+            layout, BUDGET, world_size=2, shared_name=shm_name, join_timeout=0.3, pin="off"
+        )
+    assert 0.3 <= time.monotonic() - start < 5
+    assert leftovers(shm_name)
+    creator.send_signal(signal.SIGKILL)
+    creator.wait()
+    with pytest.raises(SharedRegionError, match="died before the region was ready"):
+        CPURegion.create(
+            layout, BUDGET, world_size=2, shared_name=shm_name, join_timeout=5, pin="off"
+        )
+    assert not leftovers(shm_name)  # the partial file was removed
+    # so the next attempt creates it afresh
+    with CPURegion.create(
+        layout, BUDGET, world_size=2, shared_name=shm_name, join_timeout=5, pin="off"
+    ) as region:
+        assert region.statistics().created
+    assert not leftovers(shm_name)
+
+
+def test_file_is_private_to_its_owner(layout: KVLayout, shm_name: str) -> None:
+    with CPURegion.create(layout, BUDGET, world_size=2, shared_name=shm_name, pin="off"):
+        mode = os.stat(f"/dev/shm/kvtier-{shm_name}").st_mode & 0o777
+        assert mode == 0o600
