@@ -27,6 +27,7 @@ __all__ = [
     "munmap",
     "populate",
     "round_up",
+    "thp_honours_madvise",
 ]
 
 PAGE_SIZE = mmap.PAGESIZE
@@ -49,6 +50,24 @@ def _pmd_size() -> int:
 
 PMD_SIZE = _pmd_size()
 """Size of a transparent huge page (2 MiB on x86-64)."""
+
+
+def thp_honours_madvise(shmem: bool) -> bool:
+    """Whether the kernel's THP setting lets ``MADV_HUGEPAGE`` take effect.
+
+    Anonymous memory follows ``/sys/kernel/mm/transparent_hugepage/enabled``,
+    shmem (``/dev/shm``) follows ``shmem_enabled``; ``never`` (and ``deny``)
+    turn the advice into a no-op.
+    """
+    knob = "shmem_enabled" if shmem else "enabled"
+    try:
+        with open(f"/sys/kernel/mm/transparent_hugepage/{knob}") as f:
+            text = f.read()
+    except OSError:
+        return False
+    chosen = text[text.find("[") + 1 : text.find("]")] if "[" in text else ""
+    return chosen not in ("", "never", "deny")
+
 
 _PROT_NONE = 0
 _PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE

@@ -66,7 +66,9 @@ class RegionStatistics:
     page_size: int
     """Page size of the backing (the hugetlbfs page size, else the base page)."""
     transparent_huge_pages: bool
-    """True when ``madvise(MADV_HUGEPAGE)`` was applied before the first touch."""
+    """True when ``madvise(MADV_HUGEPAGE)`` was applied before the first touch and the
+    kernel's THP setting for this backing (``enabled``, or ``shmem_enabled`` for
+    /dev/shm) honours it; whether huge pages were granted shows in /proc smaps."""
     pinned: bool
     """True when the rows are registered with CUDA (page-locked)."""
     pin_reason: str
@@ -312,8 +314,12 @@ class CPURegion:
         try:
             if addr % align:  # pragma: no cover - map_aligned guarantees it
                 raise AlignmentError(addr, length, align)
-            self._thp = _mmap.madvise(addr, map_length, _mmap.MADV_HUGEPAGE) == 0
             shared = shared_name is not None
+            self._thp = (
+                backing != "hugetlbfs"
+                and _mmap.thp_honours_madvise(shmem=shared)
+                and _mmap.madvise(addr, map_length, _mmap.MADV_HUGEPAGE) == 0
+            )
             how = _mmap.populate(addr, map_length, shared=shared)
             self._populated = "populate_write" if how == "populate_write" else "touch"
             self._pinned, self._pin_reason, unpin = _pin(

@@ -200,7 +200,7 @@ def test_statistics_of_an_anonymous_region(layout: KVLayout) -> None:
     assert stats.mapped_bytes == region.rows * region.row_stride
     assert stats.backing == "anonymous"
     assert stats.page_size == PAGE
-    assert stats.transparent_huge_pages is True
+    assert stats.transparent_huge_pages is _mmap.thp_honours_madvise(shmem=False)
     assert stats.populated in ("populate_write", "touch")
     assert stats.shared_name is None
     assert stats.created is True
@@ -219,6 +219,8 @@ def test_statistics_of_a_shared_region(
     with CPURegion.create(layout, 1 * MiB, shared_name=shm_name, pin="off") as region:
         stats = region.statistics()
         assert stats.backing in ("shm", "hugetlbfs")
+        if stats.backing == "shm":
+            assert stats.transparent_huge_pages is _mmap.thp_honours_madvise(shmem=True)
         assert stats.shared_name == shm_name
         assert stats.created is True
         assert stats.pinned is False
@@ -407,3 +409,27 @@ def test_a_budget_beyond_dev_shm_is_a_capacity_error(
     with pytest.raises(CapacityError, match="bytes free but the shared region needs"):
         CPURegion.create(layout, 2 * free + MiB, shared_name=shm_name, pin="off")
     assert not leftovers(shm_name)
+
+
+def anon_huge_bytes(addr: int) -> int:
+    """AnonHugePages of the mapping that starts at ``addr``, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                inside = int(head.split("-")[0], 16) == addr
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) * 1024
+    raise LookupError(f"no mapping starts at 0x{addr:x}")
+
+
+@pytest.mark.skipif(
+    not _mmap.thp_honours_madvise(shmem=False), reason="transparent huge pages are off"
+)
+def test_anonymous_region_gets_huge_pages(layout: KVLayout) -> None:
+    with CPURegion.create(layout, 16 * MiB, pin="off") as region:
+        assert region.statistics().transparent_huge_pages
+        # defrag honours madvise, so the kernel compacts rather than fall back;
+        # the whole region is 2 MiB-aligned and a multiple of 2 MiB.
+        assert anon_huge_bytes(region.row_address(0)) == 16 * MiB
