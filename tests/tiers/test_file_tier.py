@@ -12,7 +12,7 @@ import stat
 import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import pytest_asyncio
@@ -322,17 +322,21 @@ async def test_restart_recovers_residency_and_usage(open_tier: OpenTier, tmp_pat
     await tier.store(ks, src.rows())
     path = tier.path
     await tier.aclose()
-    # Leftovers of a crash: an interrupted write and a torn block file.
+    # Leftovers of a crash: an interrupted write, an evicted file kept as a
+    # spare, a torn block file, and a name that is not a key.
     (path / "tmp" / "deadbeef.1.1.tmp").write_bytes(b"partial")
+    (path / "tmp" / "spare.1.2.tmp").write_bytes(b"s" * FILE)
     torn = keys(1, salt=9)[0].hex()
     (path / "blocks" / torn[:2] / torn).write_bytes(b"x" * 100)
+    (path / "blocks" / "00" / "not-a-key").write_bytes(b"y" * FILE)
     again = await open_tier()
     stats = again.statistics()
     assert stats.blocks == 6
-    assert stats.used_bytes == 6 * FILE
+    assert stats.used_bytes == 6 * FILE == sum(p.stat().st_size for p in block_files(again))
     assert stats.recovered_blocks == 6
-    assert stats.removed_temporaries == 1
-    assert stats.quarantined == 1
+    assert stats.removed_temporaries == 2
+    assert stats.quarantined == 2
+    assert len(list((path / "quarantine").iterdir())) == 2
     assert stats.recovery == "complete"
     assert not list((path / "tmp").iterdir())
     assert again.lookup(ks) == 6
@@ -383,12 +387,22 @@ async def test_permissions(open_tier: OpenTier, tmp_path: Path) -> None:
 
     assert mode(tmp_path / "tier") == 0o700
     assert mode(tier.path) == 0o700
+    for sub in ("blocks", "tmp", "quarantine"):
+        assert mode(tier.path / sub) == 0o700
     assert all(mode(p) == 0o700 for p in (tier.path / "blocks").iterdir())
     assert mode(tier.path / "namespace.json") == 0o600
+    assert mode(tier.path / "lock") == 0o600
     assert [mode(p) for p in block_files(tier)] == [0o600]
     desc = json.loads((tier.path / "namespace.json").read_text())
     assert desc["namespace"] == make_layout().namespace.hex() == tier.path.name
     assert desc["block_bytes"] == BLOCK
+    # Directories widened behind the tier's back are made private again at open.
+    await tier.aclose()
+    os.chmod(tier.path, 0o755)
+    os.chmod(tier.path / "blocks" / "00", 0o777)
+    again = await open_tier()
+    assert mode(again.path) == 0o700
+    assert mode(again.path / "blocks" / "00") == 0o700
 
 
 async def test_planted_symlink_is_not_followed(open_tier: OpenTier, tmp_path: Path) -> None:
@@ -586,3 +600,97 @@ async def test_aclose_while_evicted_files_move(open_tier: OpenTier, tmp_path: Pa
     again = await open_tier(blocks=3)
     assert again.statistics().removed_temporaries == 0
     assert again.lookup(ks[3:]) == 3
+
+
+# -- errors from the kernel, typed ------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["write", "read"])
+@pytest.mark.parametrize(
+    "err", [errno.ENOSPC, errno.EIO, errno.EACCES], ids=["ENOSPC", "EIO", "EACCES"]
+)
+async def test_engine_errors_are_typed_per_block(
+    open_tier: OpenTier, engine_kind: EngineKind, kind: Literal["write", "read"], err: int
+) -> None:
+    faulty = FaultyEngine(await open_io_engine(engine_kind, queue_depth=4))
+    tier = await open_tier(io_engine=faulty)
+    ks = keys(2)
+    if kind == "read":
+        await tier.store(ks, pattern_rows(ks).rows())
+    faulty.inject(kind, err=err)
+    if kind == "write":
+        failed = (await tier.store(ks, pattern_rows(ks).rows())).failed
+        where = tier.path / "tmp"
+    else:
+        failed = dict((await tier.load(ks, Rows(2).rows())).missing)
+        where = tier.path / "blocks"
+    assert list(failed) == [ks[0]]
+    exc = failed[ks[0]]
+    assert isinstance(exc, TierIOError)
+    assert exc.errno == err
+    assert (exc.path or "").startswith(str(where))
+    # The other block went through, and the tier keeps working for the failed one.
+    assert ks[1] in tier
+    assert (await tier.store(ks[:1], pattern_rows(ks[:1]).rows())).stored == (ks[0],)
+    assert (await tier.load(ks, Rows(2).rows())).loaded == tuple(ks)
+    await faulty.aclose()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root bypasses permission bits (no EACCES)")
+async def test_unwritable_directory_is_eacces(open_tier: OpenTier) -> None:
+    tier = await open_tier()
+    ks = keys(2)
+    os.chmod(tier.path / "tmp", 0o500)
+    try:
+        result = await tier.store(ks, pattern_rows(ks).rows())
+    finally:
+        os.chmod(tier.path / "tmp", 0o700)
+    assert result.stored == ()
+    for exc in result.failed.values():
+        assert isinstance(exc, TierIOError)
+        assert exc.errno == errno.EACCES
+        assert (exc.path or "").startswith(str(tier.path / "tmp"))
+    assert tier.statistics().blocks == 0
+    assert (await tier.store(ks, pattern_rows(ks).rows())).stored == tuple(ks)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs, so that the disk fills before the tier's budget does."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mount = shutil.which("mount")
+    proc = subprocess.run(
+        [mount or "mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mnt)],
+        capture_output=True,
+        check=False,
+    )
+    if mount is None or proc.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs CAP_SYS_ADMIN)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+
+
+async def test_full_filesystem_is_enospc_per_block(open_tier: OpenTier, small_fs: Path) -> None:
+    tier = await open_tier(root=small_fs / "tier", blocks=64, direct_io="auto")
+    ks = keys(30)
+    result = await tier.store(ks, pattern_rows(ks).rows())
+    assert result.stored
+    assert result.failed
+    errnos = set()
+    for exc in result.failed.values():
+        # A write that found some room is short; the next ones get ENOSPC.
+        assert isinstance(exc, TierIOError)
+        assert (exc.path or "").startswith(str(tier.path / "tmp"))
+        errnos.add(exc.errno)
+    assert errno.ENOSPC in errnos
+    assert_disk_matches(tier, ks)
+    # Room made by removing blocks is usable again: the tier kept working.
+    tier.remove(list(result.stored))
+    retry = await tier.store(list(result.failed)[:5], pattern_rows(list(result.failed)[:5]).rows())
+    assert len(retry.stored) == 5
+    dst = Rows(5)
+    assert (await tier.load(list(retry.stored), dst.rows())).loaded == retry.stored
+    assert dst.map[:] == pattern_rows(list(retry.stored)).map[:]
