@@ -361,7 +361,9 @@ def _initialize(fd: int, path: str, geometry: Geometry, rank: int) -> Attachment
         st = os.fstatvfs(data_fd)
         free = st.f_bavail * st.f_frsize
         need = map_length + (_HEADER_BYTES if data_fd == fd else 0)
-        if free < need:
+        # hugetlbfs without a size= limit reports no blocks at all; its pool was
+        # checked against HugePages_Free, and fallocate below reserves the pages.
+        if (st.f_blocks or data_fd == fd) and free < need:
             raise CapacityError(
                 f"{os.path.dirname(data_path or path)} has {free} bytes free but the shared "
                 f"region needs {need} ({geometry.rows} rows of {geometry.row_stride} bytes)"

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from kvtier import _shm
 from kvtier.errors import SharedRegionError
 from kvtier.layout import KVLayout
 from kvtier.region import CPURegion
@@ -209,3 +210,27 @@ def test_file_is_private_to_its_owner(layout: KVLayout, shm_name: str) -> None:
     with CPURegion.create(layout, BUDGET, world_size=2, shared_name=shm_name, pin="off"):
         mode = os.stat(f"/dev/shm/kvtier-{shm_name}").st_mode & 0o777
         assert mode == 0o600
+
+
+@pytest.mark.skipif(
+    _shm._hugetlbfs_dir(8 << 20) is None,
+    reason="no hugetlbfs mount with reserved huge pages (vm.nr_hugepages)",
+)
+def test_hugetlbfs_backs_a_shared_region_where_huge_pages_are_reserved(
+    layout: KVLayout, leftovers: Leftovers, shm_name: str
+) -> None:
+    a = CPURegion.create(layout, 8 << 20, world_size=2, shared_name=shm_name, pin="off")
+    b = CPURegion.create(layout, 8 << 20, world_size=2, rank=1, shared_name=shm_name, pin="off")
+    try:
+        stats = a.statistics()
+        assert stats.backing == "hugetlbfs"
+        assert stats.page_size >= 2 << 20
+        assert a.row_address(0) % stats.page_size == 0
+        a.row(5)[:3] = b"abc"
+        assert bytes(b.row(5)[:3]) == b"abc"
+        assert not leftovers(shm_name)
+        where, _size = _shm._hugetlbfs_dir(0) or ("", 0)
+        assert not [f for f in os.listdir(where) if shm_name in f]
+    finally:
+        a.close()
+        b.close()
