@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -32,10 +33,10 @@ class Workers:
         self.procs: list[subprocess.Popen[str]] = []
 
     def spawn(
-        self, name: str, world: int, rank: int, mode: str, *extra: str
+        self, name: str, world: int, rank: int, mode: str, *extra: str, budget: int = BUDGET
     ) -> subprocess.Popen[str]:
         proc = subprocess.Popen(
-            [sys.executable, str(WORKER), name, str(world), str(rank), str(BUDGET), mode, *extra],
+            [sys.executable, str(WORKER), name, str(world), str(rank), str(budget), mode, *extra],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -234,3 +235,40 @@ def test_hugetlbfs_backs_a_shared_region_where_huge_pages_are_reserved(
     finally:
         a.close()
         b.close()
+
+
+def test_a_real_creator_stopped_then_killed_part_way(
+    workers: Workers, layout: KVLayout, leftovers: Leftovers, shm_name: str
+) -> None:
+    path = f"/dev/shm/kvtier-{shm_name}"
+    # 1 GiB takes the creator a few hundred ms to allocate: stop it in there.
+    creator = workers.spawn(shm_name, 2, 0, "hold", budget=1 << 30)
+    deadline = time.monotonic() + 20
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, "the creator never made its file"
+        assert creator.poll() is None
+        time.sleep(0.0005)
+    creator.send_signal(signal.SIGSTOP)
+    with open(path, "rb") as f:
+        ready = f.read(8) == b"KVTIERRG"
+    if ready:  # pragma: no cover - the creator was faster than this poll
+        pytest.skip("the creator finished before it could be stopped")
+    with pytest.raises(SharedRegionError, match="creator is alive but has not finished"):
+        CPURegion.create(
+            layout, 1 << 30, world_size=2, rank=1, shared_name=shm_name, join_timeout=0.2
+        )
+    creator.send_signal(signal.SIGKILL)
+    creator.wait()
+    with pytest.raises(SharedRegionError, match="died before the region was ready"):
+        CPURegion.create(layout, 1 << 30, world_size=2, rank=1, shared_name=shm_name, pin="off")
+    assert not leftovers(shm_name)
+
+
+def test_an_unclosed_region_gives_up_its_hold_when_collected(
+    layout: KVLayout, leftovers: Leftovers, shm_name: str
+) -> None:
+    region = CPURegion.create(layout, BUDGET, world_size=2, shared_name=shm_name, pin="off")
+    assert leftovers(shm_name)
+    del region
+    gc.collect()
+    assert not leftovers(shm_name)
