@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import errno
 import math
+import operator
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -359,9 +360,15 @@ class CPURegion:
             raise ClosedError("the CPU region is closed")
         return self._mv
 
-    def _check_row(self, i: int) -> None:
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.rows:
+    def _check_row(self, i: int) -> int:
+        # operator.index: numpy integers from vectorized row arithmetic are fine.
+        try:
+            index = operator.index(i)
+        except TypeError:
+            index = -1
+        if isinstance(i, bool) or not 0 <= index < self.rows:
             raise InvalidArgumentError(f"row index must be an int in [0, {self.rows}), got {i!r}")
+        return index
 
     def row(self, i: int) -> memoryview:
         """Row ``i``: a writable, zero-copy memoryview of ``row_stride`` bytes.
@@ -374,7 +381,7 @@ class CPURegion:
             The region is closed.
         """
         mv = self._view()
-        self._check_row(i)
+        i = self._check_row(i)
         return mv[i * self.row_stride : (i + 1) * self.row_stride]
 
     def row_address(self, i: int) -> int:
@@ -388,8 +395,7 @@ class CPURegion:
             As :meth:`row`.
         """
         self._view()
-        self._check_row(i)
-        return self._addr + i * self.row_stride
+        return self._addr + self._check_row(i) * self.row_stride
 
     def rows_view(self) -> torch.Tensor:
         """All rows as one ``(rows, row_stride)`` uint8 tensor, zero-copy.

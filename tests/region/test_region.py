@@ -167,6 +167,13 @@ def test_rows_are_padded_at_their_end(
     assert not leftovers(shm_name)
 
 
+def test_numpy_row_indices_are_accepted(layout: KVLayout) -> None:
+    with CPURegion.create(layout, 1 * MiB, pin="off") as region:
+        rows = np.arange(region.rows, dtype=np.int64)
+        assert region.row_address(rows[3]) == region.row_address(3)
+        assert len(region.row(rows[-1])) == region.row_stride
+
+
 def test_row_is_a_writable_memoryview(layout: KVLayout) -> None:
     with CPURegion.create(layout, 1 * MiB, pin="off") as region:
         row = region.row(2)
