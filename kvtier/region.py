@@ -425,8 +425,11 @@ class CPURegion:
         ClosedError
             The region is closed.
         """
-        r = self.rank if rank is None else rank
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.world_size:
+        try:
+            r = self.rank if rank is None else operator.index(rank)
+        except TypeError:
+            r = -1
+        if isinstance(rank, bool) or not 0 <= r < self.world_size:
             raise InvalidArgumentError(f"rank must be in [0, {self.world_size}), got {rank!r}")
         base = self._base()
         bpc = self._layout.blocks_per_chunk
