@@ -1,0 +1,54 @@
+"""The CPU backend of the device copier runs the whole conformance suite."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier.errors import TransferError
+from kvtier.layout import KVLayout
+from kvtier.testing.device import DeviceTransferSuite, HostRows
+from kvtier.transfer.device import _CpuCopier, _ThreadedTransfer
+
+
+class TestCpuBackend(DeviceTransferSuite):
+    backend = "cpu"
+    device = "cpu"
+
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the cuda backend needs one"
+)
+
+
+@pytest.mark.gpu
+@needs_cuda
+class TestCudaBackend(DeviceTransferSuite):  # pragma: no cover - needs a GPU
+    backend = "cuda"
+    device = "cuda"
+
+
+class _BrokenCopier(_CpuCopier):
+    """A copier whose hardware fails half way (the seam every backend plugs into)."""
+
+    def run(self, store: bool, pairs: list[tuple[Any, Any]], marker: object) -> None:
+        super().run(store, pairs[: len(pairs) // 2], marker)
+        raise RuntimeError("simulated device fault")
+
+
+async def test_a_failing_copy_is_a_typed_error_with_its_cause() -> None:
+    kv = [torch.zeros(2, 8, 64, dtype=torch.float16)]
+    layout = KVLayout.from_tensors(kv, model_id="m", block_tokens=4, num_blocks=8)
+    host = HostRows.for_layout(layout, rows=4)
+    xfer = _ThreadedTransfer(layout, kv, host.views, _BrokenCopier())
+    with pytest.raises(TransferError, match="simulated device fault") as info:
+        await xfer.store([0, 1, 2], [0, 1, 2])
+    assert isinstance(info.value.__cause__, RuntimeError)
+    st = xfer.statistics()
+    assert (st.failures, st.stores, st.in_flight) == (1, 0, 0)
+    with pytest.raises(TransferError):  # every later request fails typed too, no hang
+        await xfer.load([0], [5])
+    assert xfer.statistics().failures == 2
+    await xfer.aclose()
