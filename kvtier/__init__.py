@@ -7,6 +7,7 @@ Only the names in ``__all__`` are the public API.
 from __future__ import annotations
 
 from kvtier.config import FileTierConfig, KVTierConfig
+from kvtier.engine import Engine, EngineStatistics, StoreSummary, TierCounters
 from kvtier.errors import (
     AlignmentError,
     BlockNotFoundError,
@@ -39,6 +40,8 @@ __all__ = [
     "ClosedError",
     "ConfigurationError",
     "DirectIOUnsupportedError",
+    "Engine",
+    "EngineStatistics",
     "FileTierConfig",
     "IntegrityError",
     "InvalidArgumentError",
@@ -49,7 +52,9 @@ __all__ = [
     "NamespaceMismatchError",
     "ProtocolError",
     "SharedRegionError",
+    "StoreSummary",
     "TensorSpec",
+    "TierCounters",
     "TierIOError",
     "TransferError",
     "__version__",

@@ -1,0 +1,905 @@
+"""The engine: what a serving loop embeds.
+
+It wires the scheduler-side managers (one per tier: which key lives where, which
+copy is ready, which is pinned) to the data plane (device copies, io_uring file
+I/O). Decisions are made synchronously, before the first ``await`` of a call, so
+a ``lookup`` followed at once by a ``load`` cannot lose a block in between; the
+bytes move afterwards, and every state change that depends on the hardware
+happens in a completion callback, never after an ``await`` that a cancelled task
+would skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Self
+
+import numpy as np
+
+from kvtier.config import KVTierConfig
+from kvtier.errors import (
+    BlockNotFoundError,
+    ClosedError,
+    ConfigurationError,
+    InvalidArgumentError,
+    KVTierError,
+    ProtocolError,
+)
+from kvtier.keys import check_keys
+from kvtier.layout import KVLayout
+from kvtier.manager import ManagerStatistics, ResidencyManager, StorePlan
+from kvtier.region import CPURegion
+from kvtier.tiers.file_tier import FileTier, FileTierStatistics, LoadResult, StoreResult
+from kvtier.transfer.completion import Completion
+from kvtier.transfer.device import DeviceTransfer, open_device_transfer
+from kvtier.transfer.io_engine import IOEngine
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Engine", "EngineStatistics", "StoreSummary", "TierCounters"]
+
+log = logging.getLogger("kvtier.engine")
+
+BlockIds = Sequence[int] | np.ndarray | Mapping[int, Sequence[int] | np.ndarray]
+"""Device block ids: one sequence used by every KV group, or one per group id."""
+
+_Ids = np.ndarray | dict[int, np.ndarray]
+_Starter = Callable[[], Completion[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSummary:
+    """What one :meth:`Engine.store` did."""
+
+    stored: int
+    """Blocks newly copied into the CPU region."""
+    present: int
+    """Blocks skipped because some tier already held (or was storing) them."""
+    dropped: int
+    """Blocks not stored because no row could be freed (all pinned or in flight)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierCounters:
+    """Traffic through one tier as the engine saw it."""
+
+    hits: int
+    """Blocks that :meth:`Engine.lookup` found ready in this tier (first tier wins)."""
+    bytes_in: int
+    """Bytes written into this tier."""
+    bytes_out: int
+    """Bytes read out of this tier."""
+    seconds_in: float
+    """Time during which at least one job was writing into this tier (overlapping
+    jobs count once), so that ``bytes_in / seconds_in`` is the throughput while busy."""
+    seconds_out: float
+    """Time during which at least one job was reading out of this tier."""
+
+    @property
+    def gbps_in(self) -> float:
+        """Throughput into this tier while it was busy, in GB/s (0 with no traffic)."""
+        return self.bytes_in / self.seconds_in / 1e9 if self.seconds_in else 0.0
+
+    @property
+    def gbps_out(self) -> float:
+        """Throughput out of this tier while it was busy, in GB/s (0 with no traffic)."""
+        return self.bytes_out / self.seconds_out / 1e9 if self.seconds_out else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatistics:
+    """A snapshot of every tier and of the engine's own counters."""
+
+    cpu: ManagerStatistics
+    """Residency of the CPU region (capacity and usage in rows = blocks)."""
+    cpu_traffic: TierCounters
+    """Device <-> CPU traffic."""
+    file: FileTierStatistics | None
+    """The file tier's own statistics, or None without a file tier."""
+    file_traffic: TierCounters | None
+    """CPU <-> file traffic as the engine drove it, or None without a file tier."""
+    lookups: int
+    """Keys passed to :meth:`Engine.lookup`."""
+    lookup_misses: int
+    """Keys past the loadable prefix in lookups (the first miss and after)."""
+    stores: int
+    """Calls to :meth:`Engine.store`."""
+    loads: int
+    """Calls to :meth:`Engine.load`."""
+    dropped: int
+    """Blocks a store could not place (no evictable row)."""
+    promotions: int
+    """Blocks read from the file tier into the CPU region."""
+    load_shortfalls: int
+    """Blocks a load had promised but could not deliver (I/O or integrity failure)."""
+    write_through_failures: int
+    """Blocks whose write to the file tier failed or was skipped (counted, logged)."""
+    write_backs: int
+    """CPU victims written to the file tier on eviction (write-back policy)."""
+    in_flight: int
+    """Jobs running now."""
+
+
+@dataclass(slots=True)
+class _Counter:
+    hits: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds_in: float = 0.0
+    seconds_out: float = 0.0
+    _active: list[int] = field(default_factory=lambda: [0, 0])  # [in, out]
+    _since: list[float] = field(default_factory=lambda: [0.0, 0.0])
+
+    def begin(self, into: bool) -> None:
+        """A job moving bytes into (or out of) the tier starts."""
+        i = 0 if into else 1
+        if self._active[i] == 0:
+            self._since[i] = time.perf_counter()
+        self._active[i] += 1
+
+    def end(self, into: bool, nbytes: int) -> None:
+        """That job ended, having moved ``nbytes`` (0 when it failed)."""
+        i = 0 if into else 1
+        self._active[i] -= 1
+        busy = time.perf_counter() - self._since[i] if self._active[i] == 0 else 0.0
+        if into:
+            self.bytes_in += nbytes
+            self.seconds_in += busy
+        else:
+            self.bytes_out += nbytes
+            self.seconds_out += busy
+
+    def freeze(self) -> TierCounters:
+        return TierCounters(
+            self.hits, self.bytes_in, self.bytes_out, self.seconds_in, self.seconds_out
+        )
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    """Bytes on their way into CPU rows (a device store or a file promotion)."""
+
+    keys: tuple[bytes, ...]
+    done: Completion[None]
+    ok: set[bytes] = field(default_factory=set)
+
+
+class Engine:
+    """Tiered KV block storage for one serving worker.
+
+    Open it with :meth:`open`; close it with :meth:`aclose` or ``async with``::
+
+        async with await Engine.open(config, layout, kv_caches) as engine:
+            keys = chain_keys(tokens, engine.block_tokens, engine.namespace)
+            hits = engine.lookup(keys)
+            loaded = await engine.load(keys[:hits], device_block_ids)
+            await engine.store(keys, device_block_ids)
+
+    Notes
+    -----
+    *Tiers.* Stores copy device blocks into rows of the CPU region; with a file
+    tier, ``write_through`` also writes them to files (awaited by :meth:`flush`),
+    ``write_back`` writes a row to its file only when the CPU tier evicts it.
+    Loads copy CPU rows to the device; a block only on file is first promoted
+    into a CPU row, once, however many loads ask for it at the same time.
+
+    *Pinning.* A block being loaded is pinned in its tier until the copy that
+    reads it has finished; a pinned block is never evicted. A block being
+    written is not readable: :meth:`lookup` counts a block whose store is in
+    flight in this engine, and a :meth:`load` of it waits for that store.
+
+    *Cancellation.* Cancelling a task awaiting :meth:`store` or :meth:`load`
+    never leaves a block pinned, and rows stay reserved until the hardware is
+    done with them. A cancelled store publishes nothing, since the caller may
+    reuse its device blocks at once. A cancelled load leaves its device blocks
+    in an unspecified state.
+
+    *Failures.* A failure in the file tier (full, I/O error, checksum mismatch)
+    degrades to a miss or a skipped write, counted in :meth:`statistics` and
+    logged; it never touches the CPU tier's ready blocks.
+    """
+
+    def __init__(
+        self,
+        config: KVTierConfig,
+        layout: KVLayout,
+        region: CPURegion,
+        transfer: DeviceTransfer,
+        file_tier: FileTier | None,
+    ) -> None:
+        """Assemble opened parts; use :meth:`open` instead."""
+        self._config = config
+        self._layout = layout
+        self._region = region
+        self._xfer = transfer
+        self._file = file_tier
+        self._cpu = ResidencyManager(region.rows, config.eviction_policy, tier="cpu")
+        self._write_back = (
+            config.file_tier is not None and config.file_tier.write_policy == "write_back"
+        )
+        self._bpc = layout.blocks_per_chunk
+        self._inflight: dict[bytes, _Job] = {}
+        self._pending: set[Completion[None]] = set()
+        self._file_writes: set[Completion[None]] = set()
+        # Write-back: CPU blocks whose only copy is their row (written at eviction
+        # or at aclose).
+        self._dirty: set[bytes] = set()
+        self._closed = False
+        self._close_task: asyncio.Task[None] | None = None
+        self._t_cpu = _Counter()
+        self._t_file = _Counter()
+        self._n = {
+            "lookups": 0,
+            "lookup_misses": 0,
+            "stores": 0,
+            "loads": 0,
+            "dropped": 0,
+            "promotions": 0,
+            "load_shortfalls": 0,
+            "write_through_failures": 0,
+            "write_backs": 0,
+        }
+
+    # -- opening and closing ------------------------------------------------------------
+
+    @classmethod
+    async def open(
+        cls,
+        config: KVTierConfig,
+        layout: KVLayout,
+        kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+        *,
+        backend: Literal["auto", "cpu", "cuda"] = "auto",
+        io_engine: IOEngine | None = None,
+        wrap_transfer: Callable[[DeviceTransfer], DeviceTransfer] | None = None,
+    ) -> Engine:
+        """Map the CPU region, open the file tier and the device copier.
+
+        Parameters
+        ----------
+        config
+            The instance configuration.
+        layout
+            The layout of ``kv_caches`` (:meth:`KVLayout.from_tensors`).
+        kv_caches
+            The serving engine's KV tensors, in the layout's order.
+        backend
+            Device copier: ``cuda`` streams, ``cpu`` threads, or ``auto``.
+        io_engine
+            An I/O engine for the file tier to share (the engine does not close
+            it); by default the file tier opens its own from the configuration.
+        wrap_transfer
+            Called with the device copier; the engine uses what it returns.
+            For instrumentation and fault injection
+            (:class:`kvtier.testing.faults.FaultyDeviceTransfer`).
+
+        Raises
+        ------
+        ConfigurationError
+            When ``config`` and ``layout`` disagree (``blocks_per_chunk``).
+        CapacityError
+            When the CPU budget is below one row.
+        TierIOError, DirectIOUnsupportedError
+            When the file tier's root cannot be used.
+
+        Notes
+        -----
+        Everything opened before a failure is closed again before the error
+        propagates.
+        """
+        if config.blocks_per_chunk != layout.blocks_per_chunk:
+            raise ConfigurationError(
+                f"config.blocks_per_chunk is {config.blocks_per_chunk} but the layout was "
+                f"built with blocks_per_chunk={layout.blocks_per_chunk}"
+            )
+        if config.world_size != 1:
+            raise ConfigurationError(
+                "Engine drives one worker; for world_size > 1 open a shared CPURegion per "
+                "worker (kvtier.region) and drive it directly"
+            )
+        alignment = _FILE_ALIGNMENT if config.file_tier is not None else None
+        region = CPURegion.create(layout, int(config.cpu_bytes_to_use), alignment=alignment)
+        transfer: DeviceTransfer | None = None
+        try:
+            transfer = open_device_transfer(
+                layout, kv_caches, region.tensor_views(), backend=backend
+            )
+            if wrap_transfer is not None:
+                transfer = wrap_transfer(transfer)
+            file_tier = None
+            if config.file_tier is not None:
+                file_tier = await FileTier.open(
+                    config.file_tier, layout, block_bytes=region.row_stride,
+                    alignment=min(region.alignment, _FILE_ALIGNMENT),
+                    io_engine=io_engine,
+                )
+        except BaseException:
+            if transfer is not None:
+                await transfer.aclose()
+            region.close()
+            raise
+        return cls(config, layout, region, transfer, file_tier)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # A deadline on draining, not on the call: past it, aclose still releases all.
+    async def aclose(self, timeout: float = 30.0) -> None:  # noqa: ASYNC109
+        """Wait for work in flight, then release every resource. Idempotent.
+
+        Parameters
+        ----------
+        timeout
+            Seconds to wait for in-flight stores, loads and file writes. Past it,
+            pending write-through is abandoned (those blocks are simply not on
+            disk); copies already handed to hardware are still waited for before
+            memory is unmapped.
+
+        Notes
+        -----
+        Under ``write_back``, blocks whose only copy is their CPU row are
+        written to the file tier first (within ``timeout``), so a clean close
+        loses nothing. Concurrent calls share one close; every caller returns
+        when it is done.
+        """
+        if self._close_task is None:
+            self._closed = True
+            self._close_task = asyncio.ensure_future(self._close(timeout))
+        await asyncio.shield(self._close_task)
+
+    async def _close(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        await self._drain(list(self._pending | self._file_writes), seconds)
+        dirty = [k for k in self._dirty if self._cpu.is_ready(k)]
+        if self._file is not None and dirty:
+            rows = [self._region.row(s) for s in self._cpu.prepare_load(dirty).slots]
+            self._n["write_backs"] += len(dirty)
+            self._dirty.clear()
+            written = self._file_store(dirty, rows)
+            await self._drain([written], max(deadline - time.monotonic(), 0.0))
+        try:
+            # The copier and the ring wait for what they handed to hardware, so the
+            # region is unmapped only after nothing can touch it any more.
+            await self._xfer.aclose()
+            if self._file is not None:
+                await self._file.aclose()
+        finally:
+            self._region.close()
+
+    async def _drain(self, pending: list[Completion[None]], seconds: float) -> None:
+        if pending:
+            waits = [asyncio.ensure_future(_settle(c)) for c in pending]
+            _done, late = await asyncio.wait(waits, timeout=seconds)
+            if late:
+                log.warning("aclose: %d jobs still running after %.1fs", len(late), seconds)
+
+    # -- properties ---------------------------------------------------------------------
+
+    @property
+    def layout(self) -> KVLayout:
+        """The KV layout this engine stores."""
+        return self._layout
+
+    @property
+    def config(self) -> KVTierConfig:
+        """The configuration it was opened with."""
+        return self._config
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens per offloaded block: pass it to :func:`kvtier.chain_keys`."""
+        return self._layout.offload_block_tokens
+
+    @property
+    def namespace(self) -> bytes:
+        """The key namespace of this layout: pass it to :func:`kvtier.chain_keys`."""
+        return self._layout.namespace
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`aclose` has been called."""
+        return self._closed
+
+    # -- lookup -------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Length of the longest prefix of ``keys`` loadable from some tier.
+
+        Never blocks and does no I/O. A block whose store or promotion is in
+        flight in this engine counts: a :meth:`load` of it waits for it.
+
+        Raises
+        ------
+        InvalidArgumentError
+            For keys that are not distinct 16-byte ``bytes``.
+        ClosedError
+            After :meth:`aclose`.
+        """
+        self._check_open()
+        check_keys(keys)
+        cpu, file_tier, inflight = self._cpu, self._file, self._inflight
+        n = cpu.lookup(keys)
+        self._t_cpu.hits += n
+        for key in keys[n:]:
+            if key in inflight or cpu.is_ready(key):
+                self._t_cpu.hits += 1
+            elif file_tier is not None and file_tier.is_ready(key):
+                self._t_file.hits += 1
+            else:
+                break
+            n += 1
+        self._n["lookups"] += len(keys)
+        self._n["lookup_misses"] += len(keys) - n
+        if n:
+            # The first key ends up most recently used, so prefixes outlive tails.
+            cpu.touch(keys[:n])
+        return n
+
+    # -- store --------------------------------------------------------------------------
+
+    async def store(self, keys: Sequence[bytes], device_block_ids: BlockIds) -> StoreSummary:
+        """Copy device blocks into the CPU tier (and the file tier, by policy).
+
+        Parameters
+        ----------
+        keys
+            One key per offloaded block.
+        device_block_ids
+            ``len(keys) * blocks_per_chunk`` device block ids (per KV group, or
+            one sequence for all groups), in key order.
+
+        Returns
+        -------
+        StoreSummary
+            How many blocks were stored, already present, or dropped for room.
+
+        Raises
+        ------
+        InvalidArgumentError
+            For bad keys, or block ids of the wrong count, out of range or
+            duplicated. Nothing is changed.
+        TransferError
+            When the device copy fails; none of the blocks becomes visible.
+        ClosedError
+            After :meth:`aclose`.
+
+        Notes
+        -----
+        Returns once the CPU copy is ready; under ``write_through`` the file
+        writes go on in the background (:meth:`flush` waits for them). The
+        device blocks must not change until this returns. If the awaiting task
+        is cancelled, the blocks are discarded once the copy has finished.
+        """
+        self._check_open()
+        check_keys(keys)
+        ids = _check_ids(device_block_ids, len(keys) * self._bpc, self._layout)
+        self._n["stores"] += 1
+        # A key already in the CPU tier (ready or being written) needs no copy; one
+        # only on file is copied anyway: it is hot now, and the file write skips it.
+        fresh = [i for i, k in enumerate(keys) if k not in self._cpu]
+        while fresh and self._file_writes and not self._room_for(len(fresh)):
+            # Backpressure: rows pinned by file writes free up when those finish;
+            # waiting for them beats dropping blocks that would fit a moment later.
+            await asyncio.wait(
+                [asyncio.ensure_future(_settle(c)) for c in self._file_writes],
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            self._check_open()
+            fresh = [i for i, k in enumerate(keys) if k not in self._cpu]
+        present = len(keys) - len(fresh)
+        if not fresh:
+            return StoreSummary(0, present, 0)
+        plan = self._place([keys[i] for i in fresh])
+        placed = 0 if plan is None else len(plan.keys)
+        dropped = len(fresh) - placed
+        self._n["dropped"] += dropped
+        if plan is None:
+            return StoreSummary(0, present, dropped)
+        index = {keys[i]: i for i in fresh}
+        chosen = _chunk_ids(ids, [index[k] for k in plan.keys], self._bpc)
+        job = _Job(plan.keys, Completion())
+        cancelled = [False]
+        for k in plan.keys:
+            self._inflight[k] = job
+        self._t_cpu.begin(True)
+        nbytes = len(plan.keys) * self._layout.bytes_per_chunk
+
+        def copied(c: Completion[None]) -> None:
+            ok = c.exception() is None and not cancelled[0]
+            self._t_cpu.end(True, nbytes if ok else 0)
+            self._cpu.complete_store(plan.keys, ok)
+            for k in plan.keys:
+                self._inflight.pop(k, None)
+            if ok:
+                job.ok.update(plan.keys)
+                if self._write_back:
+                    self._dirty.update(plan.keys)
+                self._write_through(plan.keys)
+            job.done.set_result(None)
+
+        copy = self._after_claim(plan, lambda: self._xfer.store(chosen, plan.slots))
+        copy.add_done_callback(copied)
+        self._track(job.done)
+        try:
+            await copy
+        except asyncio.CancelledError:
+            cancelled[0] = True
+            raise
+        return StoreSummary(placed, present, dropped)
+
+    def _room_for(self, n: int) -> bool:
+        """Whether ``n`` new blocks fit the CPU tier now (free or evictable rows)."""
+        st = self._cpu.statistics()
+        return st.capacity - st.used + st.evictable >= n
+
+    def _place(self, keys: list[bytes]) -> StorePlan | None:
+        """Rows for ``keys``, or for as long a prefix of them as fits (halving)."""
+        n = len(keys)
+        while n:
+            plan = self._cpu.prepare_store(keys[:n])
+            if plan is not None:
+                return plan
+            n //= 2
+        return None
+
+    def _after_claim(self, plan: StorePlan, start: _Starter) -> Completion[None]:
+        """Run ``start`` once the evicted rows of ``plan`` may be overwritten.
+
+        Under write-back, a victim's row is its only copy: write it to the file
+        tier first. Otherwise the rows are free at once.
+        """
+        if not (self._write_back and self._file is not None and plan.evicted):
+            return _guarded(start)
+        self._n["write_backs"] += len(plan.evicted)
+        self._dirty.difference_update(plan.evicted)
+        rows = [self._region.row(s) for s in plan.evicted_slots]
+        written = self._file_store(plan.evicted, rows)
+        out: Completion[None] = Completion()
+
+        def go(_c: Completion[None]) -> None:
+            inner = _guarded(start)
+            inner.add_done_callback(
+                lambda c: out.set_exception(e) if (e := c.exception()) else out.set_result(None)
+            )
+
+        written.add_done_callback(go)
+        return out
+
+    def _write_through(self, keys: tuple[bytes, ...]) -> None:
+        """Start writing freshly stored CPU blocks to the file tier (write-through)."""
+        if self._file is None or self._write_back or self._closed:
+            return
+        plan = self._cpu.prepare_load(keys)  # pin: the rows must not be reused meanwhile
+        done = self._file_store(keys, [self._region.row(s) for s in plan.slots])
+        done.add_done_callback(lambda _c: self._cpu.complete_load(keys))
+
+    def _file_store(self, keys: Sequence[bytes], rows: list[memoryview]) -> Completion[None]:
+        """Write rows to the file tier; failures are counted and logged, never raised."""
+        assert self._file is not None
+        out: Completion[None] = Completion()
+        try:
+            comp = self._file.store(keys, rows)
+        except KVTierError as exc:
+            self._n["write_through_failures"] += len(keys)
+            log.warning("file tier refused %d blocks: %s", len(keys), exc)
+            out.set_result(None)
+            return out
+        self._t_file.begin(True)
+
+        def finished(c: Completion[StoreResult]) -> None:
+            exc = c.exception()
+            written = 0 if exc is not None else len(c.result().stored) * self._region.row_stride
+            self._t_file.end(True, written)
+            if exc is not None:
+                self._n["write_through_failures"] += len(keys)
+                log.warning("file tier write of %d blocks failed: %s", len(keys), exc)
+            else:
+                result = c.result()
+                self._n["write_through_failures"] += len(result.failed)
+                for key, err in list(result.failed.items())[:3]:
+                    log.warning("file tier write of %s failed: %s", key.hex(), err)
+            out.set_result(None)
+
+        comp.add_done_callback(finished)
+        self._file_writes.add(out)
+        out.add_done_callback(lambda _c: self._file_writes.discard(out))
+        return out
+
+    async def flush(self) -> None:
+        """Wait until every file write started so far has finished (or failed).
+
+        Raises
+        ------
+        ClosedError
+            After :meth:`aclose`.
+        """
+        self._check_open()
+        while self._file_writes or any(
+            not j.done.done() for j in set(self._inflight.values())
+        ):
+            # Stores in flight start more file writes when their copy completes.
+            pending = list(self._file_writes) + [j.done for j in set(self._inflight.values())]
+            for c in pending:
+                await _settle(c)
+
+    # -- load ---------------------------------------------------------------------------
+
+    async def load(
+        self, keys: Sequence[bytes], device_block_ids: BlockIds, skip: int = 0
+    ) -> int:
+        """Copy stored blocks to the device; return how many leading blocks arrived.
+
+        Parameters
+        ----------
+        keys
+            Keys of the offloaded blocks, in prefix order (usually
+            ``keys[:engine.lookup(keys)]``).
+        device_block_ids
+            ``len(keys) * blocks_per_chunk - skip`` destination device block ids.
+        skip
+            Sub-blocks of the first offloaded block not to load (already on
+            the device), ``0 <= skip < blocks_per_chunk``.
+
+        Returns
+        -------
+        int
+            The number of leading keys whose bytes are now on the device. It is
+            ``len(keys)`` unless a tier failed under the load (an I/O error, a
+            checksum mismatch, a block that vanished); those blocks are misses
+            from there on and the caller recomputes them.
+
+        Raises
+        ------
+        BlockNotFoundError
+            When a key is in no tier at the time of the call. Nothing is changed.
+        InvalidArgumentError
+            For bad keys, ``skip`` or block ids. Nothing is changed.
+        TransferError
+            When the copy to the device fails.
+        ClosedError
+            After :meth:`aclose`.
+
+        Notes
+        -----
+        Every block read is pinned until the copy reading it has finished, also
+        when the awaiting task is cancelled.
+        """
+        self._check_open()
+        check_keys(keys)
+        if isinstance(skip, bool) or not isinstance(skip, int) or not 0 <= skip < self._bpc:
+            raise InvalidArgumentError(
+                f"skip must be an int in [0, {self._bpc}), got {skip!r}"
+            )
+        if skip and not keys:
+            raise InvalidArgumentError("skip needs at least one key")
+        ids = _check_ids(device_block_ids, len(keys) * self._bpc - skip, self._layout)
+        self._n["loads"] += 1
+        if not keys:
+            return 0
+        # Classify synchronously: wait on a job in flight, read a ready CPU row, or
+        # promote from the file tier; a key in none of them fails the whole call.
+        waits: list[_Job] = []
+        promote: list[bytes] = []
+        ready: list[bytes] = []
+        for k in keys:
+            job = self._inflight.get(k)
+            if job is not None:
+                waits.append(job)
+            elif self._cpu.is_ready(k):
+                ready.append(k)
+            elif self._file is not None and self._file.is_ready(k):
+                promote.append(k)
+            else:
+                raise BlockNotFoundError(f"block {k.hex()} is in no tier")
+        # Pin what is ready now, so nothing evicts it while other blocks arrive.
+        pinned = list(self._cpu.prepare_load(ready).keys) if ready else []
+        try:
+            if promote:
+                waits.append(self._promote(promote))
+            self._cpu.touch(keys)
+            for job in dict.fromkeys(waits):
+                await job.done
+            # Pin the rest of the prefix; no await between the check and the pin.
+            held = set(pinned)
+            later = []
+            n = 0
+            for k in keys:
+                if k not in held:
+                    if not self._cpu.is_ready(k):
+                        break
+                    later.append(k)
+                n += 1
+            if later:
+                pinned += self._cpu.prepare_load(later).keys
+        except BaseException:
+            self._cpu.complete_load(pinned)
+            raise
+        extra = [k for k in pinned if k not in set(keys[:n])]
+        if extra:
+            self._cpu.complete_load(extra)
+        if n < len(keys):
+            self._n["load_shortfalls"] += len(keys) - n
+        if n == 0:
+            return 0
+        used = keys[:n]
+        slots = [s for k in used if (s := self._cpu.slot_of(k)) is not None]
+        if len(slots) != n:  # pragma: no cover - pinned blocks always have a slot
+            self._cpu.complete_load(used)
+            raise ProtocolError("a pinned CPU block lost its row")
+        self._t_cpu.begin(False)
+        copy = _guarded(
+            lambda: self._xfer.load(slots, _prefix_ids(ids, n * self._bpc - skip), skip)
+        )
+        nbytes = n * self._layout.bytes_per_chunk
+
+        def copied(c: Completion[None]) -> None:
+            self._cpu.complete_load(used)
+            self._t_cpu.end(False, nbytes if c.exception() is None else 0)
+
+        copy.add_done_callback(copied)
+        self._track(copy)
+        await copy
+        return n
+
+    def _promote(self, keys: list[bytes]) -> _Job:
+        """Start reading file-tier blocks into CPU rows; one job for all of them."""
+        assert self._file is not None
+        job = _Job(tuple(keys), Completion())
+        plan = self._place(keys)
+        if plan is None:
+            job.done.set_result(None)  # no room: these keys are misses for this load
+            return job
+        for k in plan.keys:
+            self._inflight[k] = job
+        rows = [self._region.row(s) for s in plan.slots]
+        file_tier = self._file
+        self._t_file.begin(False)
+
+        def start() -> Completion[None]:
+            out: Completion[None] = Completion()
+            try:
+                comp = file_tier.load(plan.keys, rows)
+            except KVTierError as exc:
+                out.set_exception(exc)
+                return out
+
+            def read(c: Completion[LoadResult]) -> None:
+                if (exc := c.exception()) is not None:
+                    out.set_exception(exc)
+                else:
+                    job.ok.update(c.result().loaded)
+                    out.set_result(None)
+
+            comp.add_done_callback(read)
+            return out
+
+        def finished(c: Completion[None]) -> None:
+            if (exc := c.exception()) is not None:
+                log.warning("promotion of %d blocks failed: %s", len(plan.keys), exc)
+            good = [k for k in plan.keys if k in job.ok]
+            bad = [k for k in plan.keys if k not in job.ok]
+            if good:
+                self._cpu.complete_store(good, True)
+            if bad:
+                self._cpu.complete_store(bad, False)
+            for k in plan.keys:
+                self._inflight.pop(k, None)
+            self._n["promotions"] += len(good)
+            self._t_file.end(False, len(good) * self._region.row_stride)
+            job.done.set_result(None)
+
+        self._after_claim(plan, start).add_done_callback(finished)
+        self._track(job.done)
+        return job
+
+    # -- statistics and helpers ---------------------------------------------------------
+
+    def statistics(self) -> EngineStatistics:
+        """A consistent snapshot of every tier's state and traffic."""
+        n = self._n
+        return EngineStatistics(
+            cpu=self._cpu.statistics(),
+            cpu_traffic=self._t_cpu.freeze(),
+            file=None if self._file is None else self._file.statistics(),
+            file_traffic=None if self._file is None else self._t_file.freeze(),
+            lookups=n["lookups"],
+            lookup_misses=n["lookup_misses"],
+            stores=n["stores"],
+            loads=n["loads"],
+            dropped=n["dropped"],
+            promotions=n["promotions"],
+            load_shortfalls=n["load_shortfalls"],
+            write_through_failures=n["write_through_failures"],
+            write_backs=n["write_backs"],
+            in_flight=len(self._pending),
+        )
+
+    def _track(self, c: Completion[None]) -> None:
+        self._pending.add(c)
+        c.add_done_callback(lambda _c: self._pending.discard(c))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the engine is closed")
+
+
+_FILE_ALIGNMENT = 4096
+"""Rows are aligned for O_DIRECT when a file tier reads and writes them."""
+
+
+def _guarded(start: _Starter) -> Completion[None]:
+    """``start()``, with a synchronous failure turned into a failed completion.
+
+    The callers' done callbacks then roll back state on one path, whether the
+    submit or the hardware failed.
+    """
+    try:
+        return start()
+    except Exception as exc:
+        failed: Completion[None] = Completion()
+        failed.set_exception(exc)
+        return failed
+
+
+async def _settle(c: Completion[None]) -> None:
+    """Wait for ``c`` without raising its error."""
+    with contextlib.suppress(Exception):
+        await c
+
+
+def _check_ids(ids: BlockIds, count: int, layout: KVLayout) -> _Ids:
+    """Validate device block ids: integers, in range, distinct, ``count`` per group."""
+    groups = ids.items() if isinstance(ids, Mapping) else [(None, ids)]
+    out: dict[int, np.ndarray] = {}
+    for group, seq in groups:
+        if group is not None and group not in layout.groups:
+            raise InvalidArgumentError(f"no KV group {group!r} in the layout {layout.groups}")
+        try:
+            arr = np.asarray(seq)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"device block ids must be integers: {exc}") from exc
+        where = "" if group is None else f" of group {group}"
+        if arr.size and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
+            raise InvalidArgumentError(f"device block ids{where} must be a flat int sequence")
+        if arr.size != count:
+            raise InvalidArgumentError(
+                f"expected {count} device block ids{where}, got {arr.size}"
+            )
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= layout.num_blocks:
+                raise InvalidArgumentError(
+                    f"device block ids{where} must be in [0, {layout.num_blocks}), got "
+                    f"{lo if lo < 0 else hi}"
+                )
+            if np.unique(arr).size != arr.size:
+                raise InvalidArgumentError(f"duplicate device block ids{where}")
+        out[-1 if group is None else group] = arr.astype(np.int64, copy=False)
+    if isinstance(ids, Mapping):
+        return out
+    single: np.ndarray = out[-1]
+    return single
+
+
+def _chunk_ids(ids: _Ids, chunks: list[int], bpc: int) -> _Ids:
+    """The device ids of the chosen offloaded blocks, in the chosen order."""
+    sel = (np.asarray(chunks, dtype=np.int64)[:, None] * bpc + np.arange(bpc)).ravel()
+    if isinstance(ids, dict):
+        return {g: a[sel] for g, a in ids.items()}
+    picked: np.ndarray = ids[sel]
+    return picked
+
+
+def _prefix_ids(ids: _Ids, count: int) -> _Ids:
+    if isinstance(ids, dict):
+        return {g: a[:count] for g, a in ids.items()}
+    return ids[:count]

@@ -1,0 +1,328 @@
+"""End-to-end tests of the engine over the CPU backend, a real CPU region and a real file tier."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import kvtier
+from kvtier import (
+    BlockNotFoundError,
+    ClosedError,
+    ConfigurationError,
+    FileTierConfig,
+    InvalidArgumentError,
+    KVLayout,
+    KVTierConfig,
+    chain_keys,
+)
+from kvtier.engine import Engine
+
+NUM_BLOCKS = 64
+
+
+def make_kv(kind: str = "kv_first") -> list[torch.Tensor]:
+    if kind == "kv_first":
+        return [torch.zeros(2, NUM_BLOCKS, 4, 2, 64, dtype=torch.float16) for _ in range(2)]
+    return [torch.zeros(NUM_BLOCKS, 4, 2, 64, dtype=torch.float32)]
+
+
+def fill(kv: list[torch.Tensor], blocks: list[int], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in kv:
+        v = t.view(torch.uint8)
+        for b in blocks:
+            if v.shape[0] == 2 and t.dim() == 5:
+                v[:, b] = torch.randint(0, 256, v[:, b].shape, dtype=torch.uint8, generator=g)
+            else:
+                v[b] = torch.randint(0, 256, v[b].shape, dtype=torch.uint8, generator=g)
+
+
+def snapshot(kv: list[torch.Tensor], blocks: list[int]) -> list[torch.Tensor]:
+    out = []
+    for t in kv:
+        v = t.view(torch.uint8)
+        for b in blocks:
+            out.append((v[:, b] if t.dim() == 5 else v[b]).clone())
+    return out
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(bool(torch.equal(x, y)) for x, y in zip(a, b, strict=True))
+
+
+@asynccontextmanager
+async def engine_for(
+    tmp_path: Path,
+    *,
+    cpu_rows: int = 16,
+    file_rows: int | None = 64,
+    bpc: int = 1,
+    write_policy: str = "write_through",
+    policy: str = "lru",
+    kind: str = "kv_first",
+    io_engine: str = "auto",
+) -> AsyncIterator[tuple[Engine, list[torch.Tensor]]]:
+    kv = make_kv(kind)
+    layout = KVLayout.from_tensors(
+        kv, model_id="test", block_tokens=4, blocks_per_chunk=bpc, num_blocks=NUM_BLOCKS
+    )
+    row = -(-layout.bytes_per_chunk // 4096) * 4096
+    file_tier = None
+    if file_rows is not None:
+        file_tier = FileTierConfig(
+            root=tmp_path / "tier",
+            bytes_to_use=file_rows * (row + 4096) + 4096,
+            write_policy=write_policy,
+            io_engine=io_engine,
+        )
+    config = KVTierConfig(
+        cpu_bytes_to_use=cpu_rows * row,
+        blocks_per_chunk=bpc,
+        eviction_policy=policy,
+        file_tier=file_tier,
+    )
+    engine = await Engine.open(config, layout, kv)
+    try:
+        yield engine, kv
+    finally:
+        await engine.aclose()
+
+
+def keys_for(engine: Engine, n: int, salt: int = 0) -> list[bytes]:
+    tokens = [salt * 100_000 + i for i in range(n * engine.block_tokens)]
+    return chain_keys(tokens, engine.block_tokens, engine.namespace)
+
+
+def assert_quiescent(engine: Engine) -> None:
+    st = engine.statistics()
+    assert st.cpu.pinned == 0
+    assert st.cpu.being_written == 0
+    assert st.in_flight == 0
+    assert st.cpu.used <= st.cpu.capacity
+
+
+@pytest.mark.parametrize("kind", ["kv_first", "block_first"])
+@pytest.mark.parametrize("bpc", [1, 3])
+async def test_round_trip_through_cpu(tmp_path: Path, kind: str, bpc: int) -> None:
+    async with engine_for(tmp_path, file_rows=None, bpc=bpc, kind=kind) as (engine, kv):
+        keys = keys_for(engine, 4)
+        src = list(range(4 * bpc))
+        fill(kv, src, seed=1)
+        want = snapshot(kv, src)
+        summary = await engine.store(keys, src)
+        assert (summary.stored, summary.present, summary.dropped) == (4, 0, 0)
+        assert engine.lookup(keys) == 4
+        dst = list(range(30, 30 + 4 * bpc))
+        assert await engine.load(keys, dst) == 4
+        assert same(snapshot(kv, dst), want)
+        again = await engine.store(keys, src)
+        assert (again.stored, again.present) == (0, 4)
+        assert_quiescent(engine)
+
+
+async def test_skip_loads_tail_of_first_chunk(tmp_path: Path) -> None:
+    async with engine_for(tmp_path, file_rows=None, bpc=3) as (engine, kv):
+        keys = keys_for(engine, 2)
+        fill(kv, list(range(6)), seed=2)
+        want = snapshot(kv, list(range(1, 6)))
+        await engine.store(keys, list(range(6)))
+        assert await engine.load(keys, list(range(40, 45)), skip=1) == 2
+        assert same(snapshot(kv, list(range(40, 45))), want)
+
+
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+async def test_eviction_cascades_to_file_and_promotes_back(
+    tmp_path: Path, write_policy: str
+) -> None:
+    async with engine_for(tmp_path, cpu_rows=4, write_policy=write_policy) as (engine, kv):
+        batches = []
+        for salt in range(6):  # 6 x 2 blocks through a 4-row CPU tier
+            keys = keys_for(engine, 2, salt)
+            fill(kv, [0, 1], seed=salt)
+            batches.append((keys, snapshot(kv, [0, 1])))
+            await engine.store(keys, [0, 1])
+        await engine.flush()
+        st = engine.statistics()
+        assert st.cpu.evictions >= 8
+        for keys, want in batches:
+            assert engine.lookup(keys) == 2, "every block is in some tier"
+            assert await engine.load(keys, [10, 11]) == 2
+            assert same(snapshot(kv, [10, 11]), want)
+        assert engine.statistics().promotions >= 8
+        assert_quiescent(engine)
+
+
+async def test_concurrent_loads_of_one_block_promote_once(tmp_path: Path) -> None:
+    async with engine_for(tmp_path, cpu_rows=2) as (engine, kv):
+        keys = keys_for(engine, 2)
+        fill(kv, [0, 1], seed=5)
+        want = snapshot(kv, [0, 1])
+        await engine.store(keys, [0, 1])
+        await engine.flush()
+        for salt in (1, 2):  # push both out of the CPU tier
+            await engine.store(keys_for(engine, 2, salt), [2, 3])
+        await engine.flush()
+        assert not any(engine._cpu.is_ready(k) for k in keys)
+        before = engine.statistics().promotions
+        results = await asyncio.gather(
+            *(engine.load(keys, [10 + 2 * i, 11 + 2 * i]) for i in range(4))
+        )
+        assert results == [2, 2, 2, 2]
+        assert engine.statistics().promotions - before == 2
+        for i in range(4):
+            assert same(snapshot(kv, [10 + 2 * i, 11 + 2 * i]), want)
+        assert_quiescent(engine)
+
+
+async def test_load_waits_for_store_in_flight(tmp_path: Path) -> None:
+    async with engine_for(tmp_path, file_rows=None) as (engine, kv):
+        keys = keys_for(engine, 3)
+        fill(kv, [0, 1, 2], seed=6)
+        want = snapshot(kv, [0, 1, 2])
+        store = asyncio.create_task(engine.store(keys, [0, 1, 2]))
+        await asyncio.sleep(0)  # the store has planned; its copy is in flight
+        assert engine.lookup(keys) == 3
+        assert await engine.load(keys, [20, 21, 22]) == 3
+        await store
+        assert same(snapshot(kv, [20, 21, 22]), want)
+
+
+async def test_load_of_unknown_keys_is_typed_and_changes_nothing(tmp_path: Path) -> None:
+    async with engine_for(tmp_path) as (engine, _kv):
+        stored = keys_for(engine, 2)
+        await engine.store(stored, [0, 1])
+        with pytest.raises(BlockNotFoundError):
+            await engine.load([*stored, *keys_for(engine, 1, 9)], [5, 6, 7])
+        await engine.flush()  # write-through pins the rows it is writing
+        assert_quiescent(engine)
+        assert engine.lookup(stored) == 2
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        pytest.param(lambda e, k: e.store(k, [0]), "expected 2 device block ids", id="count"),
+        pytest.param(lambda e, k: e.store(k, [0, 0]), "duplicate", id="dup-ids"),
+        pytest.param(lambda e, k: e.store(k, [0, NUM_BLOCKS]), r"\[0, 64\)", id="range"),
+        pytest.param(lambda e, k: e.store(k, [-1, 2]), r"\[0, 64\)", id="negative"),
+        pytest.param(lambda e, k: e.store([k[0], k[0]], [0, 1]), "duplicate keys", id="dup"),
+        pytest.param(lambda e, k: e.store(["a", "b"], [0, 1]), "16 bytes", id="key-type"),
+        pytest.param(lambda e, k: e.store([b"short", k[1]], [0, 1]), "16 bytes", id="key-len"),
+        pytest.param(lambda e, k: e.load(k, [0, 1], skip=1), "skip", id="skip"),
+        pytest.param(lambda e, k: e.load(k, [0.5, 1.5]), "flat int", id="float-ids"),
+    ],
+)
+async def test_bad_arguments(
+    tmp_path: Path, call: Callable[[Engine, list[bytes]], Any], message: str
+) -> None:
+    async with engine_for(tmp_path, file_rows=None) as (engine, _kv):
+        keys = keys_for(engine, 2)
+        with pytest.raises(InvalidArgumentError, match=message):
+            await call(engine, keys)
+        assert_quiescent(engine)
+
+
+async def test_cancellation_leaves_no_pins(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    async with engine_for(tmp_path, cpu_rows=6) as (engine, kv):
+        fill(kv, list(range(NUM_BLOCKS)), seed=8)
+
+        async def one(i: int) -> None:
+            keys = keys_for(engine, 3, rng.randrange(8))
+            base = 3 * (i % 20)
+            hits = engine.lookup(keys)
+            if hits:
+                await engine.load(keys[:hits], list(range(base, base + hits)))
+            await engine.store(keys, list(range(base, base + 3)))
+
+        for round_ in range(20):
+            tasks = [asyncio.create_task(one(round_ * 10 + i)) for i in range(6)]
+            await asyncio.sleep(rng.random() * 0.003)
+            for t in tasks:
+                if rng.random() < 0.5:
+                    t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await engine.flush()
+        await asyncio.sleep(0.05)
+        assert_quiescent(engine)
+        # the engine keeps working
+        keys = keys_for(engine, 2, 99)
+        await engine.store(keys, [0, 1])
+        assert await engine.load(keys, [2, 3]) == 2
+
+
+async def test_corrupt_file_degrades_to_miss(tmp_path: Path) -> None:
+    async with engine_for(tmp_path, cpu_rows=2) as (engine, kv):
+        keys = keys_for(engine, 2)
+        fill(kv, [0, 1], seed=3)
+        await engine.store(keys, [0, 1])
+        await engine.flush()
+        await engine.store(keys_for(engine, 2, 1), [2, 3])  # evict from the CPU tier
+        await engine.flush()
+        files = sorted((tmp_path / "tier").glob("*/blocks/*/*"))
+        assert files
+        for f in files:  # flip a byte in the payload of every block file
+            data = bytearray(f.read_bytes())
+            data[-100] ^= 0xFF
+            f.write_bytes(bytes(data))
+        hits = engine.lookup(keys)
+        assert hits == 2
+        assert await engine.load(keys, [10, 11]) == 0
+        assert engine.statistics().load_shortfalls >= 2
+        assert engine.lookup(keys) == 0, "a block failing verification is never served again"
+        assert_quiescent(engine)
+
+
+async def test_restart_finds_blocks(tmp_path: Path) -> None:
+    async with engine_for(tmp_path) as (engine, kv):
+        keys = keys_for(engine, 5)
+        fill(kv, list(range(5)), seed=4)
+        want = snapshot(kv, list(range(5)))
+        await engine.store(keys, list(range(5)))
+        await engine.flush()
+    async with engine_for(tmp_path) as (engine, kv):
+        for _ in range(200):
+            if engine.lookup(keys) == 5:
+                break
+            await asyncio.sleep(0.01)  # recovery may run in the background
+        assert await engine.load(keys, list(range(20, 25))) == 5
+        assert same(snapshot(kv, list(range(20, 25))), want)
+
+
+async def test_close_is_idempotent_and_final(tmp_path: Path) -> None:
+    async with engine_for(tmp_path) as (engine, _kv):
+        keys = keys_for(engine, 2)
+        store = asyncio.create_task(engine.store(keys, [0, 1]))
+        await asyncio.gather(engine.aclose(), engine.aclose())
+        await store
+        await engine.aclose()
+        assert engine.closed
+        with pytest.raises(ClosedError):
+            engine.lookup(keys)
+        with pytest.raises(ClosedError):
+            await engine.store(keys, [0, 1])
+        with pytest.raises(ClosedError):
+            await engine.load(keys, [0, 1])
+
+
+async def test_config_and_layout_must_agree(tmp_path: Path) -> None:
+    kv = make_kv()
+    layout = KVLayout.from_tensors(kv, model_id="m", block_tokens=4, num_blocks=NUM_BLOCKS)
+    with pytest.raises(ConfigurationError, match="blocks_per_chunk"):
+        await Engine.open(KVTierConfig(cpu_bytes_to_use=2**20, blocks_per_chunk=2), layout, kv)
+
+
+async def test_budget_below_one_row(tmp_path: Path) -> None:
+    kv = make_kv()
+    layout = KVLayout.from_tensors(kv, model_id="m", block_tokens=4, num_blocks=NUM_BLOCKS)
+    with pytest.raises(kvtier.CapacityError):
+        await Engine.open(KVTierConfig(cpu_bytes_to_use=100), layout, kv)
+
