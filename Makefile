@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit soak bench clean
+.PHONY: demo test lint typecheck unit soak reliability bench clean
 
 # Set-up on first use. Without a GPU, torch is pinned to 2.13.0 first: on this
 # project's machines that version is a local CPU wheel, while an unpinned torch
@@ -35,8 +35,17 @@ typecheck: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
+# The reliability suite with the soak, its figures printed as docs/reliability.md's table.
+reliability: $(STAMP)
+	rm -rf .reports/reliability
+	KVTIER_REPORT_DIR=.reports/reliability $(PY) -m pytest -q -m '' tests/reliability
+	$(PY) benchmarks/reliability_report.py .reports/reliability
+
 bench: $(STAMP)
 	$(PY) benchmarks/manager.py
+	$(PY) benchmarks/transfer.py
+	$(PY) benchmarks/file_tier.py
+	$(VENV)/bin/kvtier bench
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis .reports

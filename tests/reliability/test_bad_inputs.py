@@ -1,0 +1,287 @@
+"""Bad input, table-driven: each row gets its typed error and loses nothing stored.
+
+One engine holds reference blocks (in the CPU tier and on file). Every row runs
+against it (or opens an engine of its own, for bad configurations), must raise
+exactly the typed error of the table, and afterwards every reference block must
+still load with its own bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier import (
+    BlockNotFoundError,
+    CapacityError,
+    ClosedError,
+    ConfigurationError,
+    DirectIOUnsupportedError,
+    FileTierConfig,
+    InvalidArgumentError,
+    KVLayout,
+    KVTierConfig,
+    KVTierError,
+    LayoutError,
+    TierIOError,
+    chain_keys,
+)
+from kvtier.engine import Engine
+from kvtier.testing.filesystems import refusing_direct_io_dir
+
+sys.path.insert(0, str(Path(__file__).parent))
+from workload import (
+    BPC,
+    NUM_BLOCKS,
+    ROW,
+    make_kv,
+    make_layout,
+    open_engine,
+    verify_everything,
+    write_blocks,
+)
+
+
+@dataclass
+class Ctx:
+    engine: Engine
+    kv: list[torch.Tensor]
+    tmp: Path
+    stored: list[bytes]
+
+
+Row = tuple[str, Callable[[Ctx], Awaitable[Any]], type[BaseException]]
+
+
+def keys(ctx: Ctx, n: int, salt: int = 7) -> list[bytes]:
+    tokens = [salt * 1_000_000 + i for i in range(n * ctx.engine.block_tokens)]
+    return chain_keys(tokens, ctx.engine.block_tokens, ctx.engine.namespace)
+
+
+async def store(ctx: Ctx, k: Any, ids: Any) -> Any:
+    return await ctx.engine.store(k, ids)
+
+
+async def load(ctx: Ctx, k: Any, ids: Any, skip: Any = 0) -> Any:
+    return await ctx.engine.load(k, ids, skip=skip)
+
+
+async def lookup(ctx: Ctx, k: Any) -> Any:
+    return ctx.engine.lookup(k)
+
+
+async def open_with(ctx: Ctx, config: KVTierConfig, kv: Any = None, layout: Any = None) -> None:
+    kv = make_kv() if kv is None else kv
+    engine = await Engine.open(config, make_layout(make_kv()) if layout is None else layout, kv)
+    await engine.aclose()
+
+
+def config(**kw: Any) -> KVTierConfig:
+    kw.setdefault("cpu_bytes_to_use", 8 * ROW)
+    kw.setdefault("blocks_per_chunk", BPC)
+    return KVTierConfig(**kw)
+
+
+async def make_config(**kw: Any) -> KVTierConfig:
+    return config(**kw)
+
+
+def file_config(root: Path, **kw: Any) -> KVTierConfig:
+    return config(file_tier=FileTierConfig(root=root, bytes_to_use=64 * (ROW + 4096), **kw))
+
+
+async def closed_engine_call(ctx: Ctx, what: str) -> None:
+    kv = make_kv()
+    engine = await Engine.open(config(), make_layout(kv), kv)
+    k = keys(ctx, 1, salt=99)
+    await engine.aclose()
+    if what == "store":
+        await engine.store(k, [0, 1])
+    elif what == "load":
+        await engine.load(k, [0, 1])
+    else:
+        engine.lookup(k)
+
+
+async def corrupt_header_then_load(ctx: Ctx) -> None:
+    """A block file whose header was overwritten is a miss, never served, and quarantined."""
+    k = keys(ctx, 1, salt=55)
+    write_blocks(ctx.kv, k, [0, 1])
+    await ctx.engine.store(k, [0, 1])
+    await ctx.engine.flush()
+    (path,) = ctx.tmp.glob(f"tier/*/blocks/*/{k[0].hex()}")
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\xff\xff", 30)  # inside the header's key field
+    finally:
+        os.close(fd)
+    # Make the CPU copy go away so that the load must come from the file.
+    await evict_cpu(ctx)
+    st = ctx.engine.statistics()
+    assert ctx.engine.lookup(k) == 1  # the tier does not read files on lookup
+    assert await ctx.engine.load(k, [0, 1]) == 0
+    assert ctx.engine.statistics().file is not None
+    assert ctx.engine.statistics().file.quarantined == st.file.quarantined + 1  # type: ignore[union-attr]
+    assert ctx.engine.lookup(k) == 0
+    await ctx.engine.load(k, [0, 1])  # asked again: it is in no tier
+
+
+async def foreign_namespace_file(ctx: Ctx) -> None:
+    """A block file planted from another layout's namespace is never loaded."""
+    k = keys(ctx, 1, salt=66)
+    write_blocks(ctx.kv, k, [0, 1])
+    await ctx.engine.store(k, [0, 1])
+    await ctx.engine.flush()
+    (path,) = ctx.tmp.glob(f"tier/*/blocks/*/{k[0].hex()}")
+    other_kv = make_kv()
+    other = make_layout(other_kv, model="other-model")
+    other_cfg = file_config(ctx.tmp / "tier")
+    # The same bytes under the other namespace's directory, named for a key of it.
+    engine = await Engine.open(other_cfg, other, other_kv)
+    try:
+        ok = chain_keys(list(range(engine.block_tokens)), engine.block_tokens, engine.namespace)
+        dest = ctx.tmp / "tier" / other.namespace.hex() / "blocks" / f"{ok[0][0]:02x}"
+        dest.mkdir(parents=True, exist_ok=True)
+        os.link(path, dest / ok[0].hex())
+    finally:
+        await engine.aclose()
+    engine = await Engine.open(other_cfg, other, other_kv)
+    try:
+        assert engine.lookup(ok) in (0, 1)
+        if engine.lookup(ok):
+            await engine.load(ok, [0, 1])  # a miss: loads 0 blocks, quarantines the file
+        await engine.load(ok, [0, 1])
+    finally:
+        await engine.aclose()
+
+
+async def evict_cpu(ctx: Ctx) -> None:
+    """Fill the CPU tier with other blocks so that earlier ones live on file only."""
+    st = ctx.engine.statistics()
+    for salt in range(200, 200 + st.cpu.capacity):
+        k = keys(ctx, 1, salt=salt)
+        write_blocks(ctx.kv, k, [2, 3])
+        await ctx.engine.store(k, [2, 3])
+    await ctx.engine.flush()
+
+
+async def root_without_direct_io(ctx: Ctx) -> None:
+    with refusing_direct_io_dir(ctx.tmp) as root:
+        await open_with(ctx, file_config(root, direct_io="require"))
+
+
+async def concurrent_aclose(ctx: Ctx) -> None:
+    kv = make_kv()
+    engine = await Engine.open(file_config(ctx.tmp / "other"), make_layout(kv), kv)
+    await asyncio.gather(engine.aclose(), engine.aclose(), engine.aclose())
+    assert engine.closed
+    engine.lookup([])  # closed now
+
+
+def tensor_rows() -> list[Row]:
+    def kv_with(change: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> Any:
+        return lambda ctx: open_with(ctx, config(), kv=change(make_kv()))
+
+    return [
+        ("tensor-wrong-dtype", kv_with(lambda kv: [t.float() for t in kv]), LayoutError),
+        ("tensor-wrong-shape", kv_with(lambda kv: [t[:, :, :2].contiguous() for t in kv]),
+         LayoutError),
+        ("tensor-non-contiguous", kv_with(lambda kv: [t.transpose(2, 3) for t in kv]),
+         LayoutError),
+        ("tensor-missing", kv_with(lambda kv: kv[:1]), LayoutError),
+        ("tensor-fewer-blocks", kv_with(lambda kv: [t[:, :10].contiguous() for t in kv]),
+         LayoutError),
+        ("layout-mixed-devices",
+         lambda ctx: asyncio.sleep(0, KVLayout.from_tensors(
+             [make_kv()[0], torch.empty(2, NUM_BLOCKS, 4, 128, device="meta")],
+             model_id="m", block_tokens=4)),
+         LayoutError),
+    ]
+
+
+ROWS: list[Row] = [
+    *tensor_rows(),
+    ("key-not-bytes", lambda c: store(c, ["a" * 16], [0, 1]), InvalidArgumentError),
+    ("key-short", lambda c: store(c, [b"x" * 15], [0, 1]), InvalidArgumentError),
+    ("key-long", lambda c: lookup(c, [b"x" * 17]), InvalidArgumentError),
+    ("keys-duplicated", lambda c: store(c, keys(c, 1) * 2, [0, 1, 2, 3]),
+     InvalidArgumentError),
+    ("keys-a-bytes-object", lambda c: lookup(c, b"x" * 16), InvalidArgumentError),
+    ("ids-too-few", lambda c: store(c, keys(c, 2), [0, 1, 2]), InvalidArgumentError),
+    ("ids-too-many", lambda c: store(c, keys(c, 1), [0, 1, 2]), InvalidArgumentError),
+    ("ids-out-of-range", lambda c: store(c, keys(c, 1), [0, NUM_BLOCKS]),
+     InvalidArgumentError),
+    ("ids-negative", lambda c: store(c, keys(c, 1), [-1, 0]), InvalidArgumentError),
+    ("ids-duplicated", lambda c: store(c, keys(c, 1), [3, 3]), InvalidArgumentError),
+    ("ids-float", lambda c: store(c, keys(c, 1), np.array([0.0, 1.0])), InvalidArgumentError),
+    ("ids-2d", lambda c: store(c, keys(c, 1), np.array([[0, 1]])), InvalidArgumentError),
+    ("ids-unknown-group", lambda c: store(c, keys(c, 1), {5: [0, 1]}), InvalidArgumentError),
+    ("load-never-stored", lambda c: load(c, keys(c, 1, salt=12345), [0, 1]),
+     BlockNotFoundError),
+    ("load-skip-too-big", lambda c: load(c, c.stored[:1], [0, 1], skip=BPC),
+     InvalidArgumentError),
+    ("load-skip-negative", lambda c: load(c, c.stored[:1], [0, 1], skip=-1),
+     InvalidArgumentError),
+    ("load-skip-bool", lambda c: load(c, c.stored[:1], [0], skip=True), InvalidArgumentError),
+    ("load-ids-mismatch", lambda c: load(c, c.stored[:2], [0, 1]), InvalidArgumentError),
+    ("budget-zero", lambda c: make_config(cpu_bytes_to_use=0), ConfigurationError),
+    ("budget-negative", lambda c: make_config(cpu_bytes_to_use=-5), ConfigurationError),
+    ("budget-below-a-row", lambda c: open_with(c, config(cpu_bytes_to_use=ROW - 1)),
+     CapacityError),
+    ("budget-absurd", lambda c: open_with(c, config(cpu_bytes_to_use="1000PiB")),
+     CapacityError),
+    ("blocks-per-chunk-mismatch", lambda c: open_with(c, config(blocks_per_chunk=3)),
+     ConfigurationError),
+    ("file-budget-zero", lambda c: make_config(
+        file_tier={"root": str(c.tmp / "z"), "bytes_to_use": 0}), ConfigurationError),
+    ("queue-depth-zero", lambda c: make_config(
+        file_tier={"root": str(c.tmp / "z"), "bytes_to_use": "1GiB", "queue_depth": 0}),
+     ConfigurationError),
+    ("root-is-a-file", lambda c: open_with(c, file_config(Path("/etc/hostname"))), TierIOError),
+    ("root-unwritable", lambda c: open_with(c, file_config(Path("/proc/kvtier-root"))),
+     TierIOError),
+    ("root-without-o-direct", root_without_direct_io, DirectIOUnsupportedError),
+    ("corrupted-header", corrupt_header_then_load, BlockNotFoundError),
+    ("foreign-namespace-file", foreign_namespace_file, BlockNotFoundError),
+    ("store-after-aclose", lambda c: closed_engine_call(c, "store"), ClosedError),
+    ("load-after-aclose", lambda c: closed_engine_call(c, "load"), ClosedError),
+    ("lookup-after-aclose", lambda c: closed_engine_call(c, "lookup"), ClosedError),
+    ("concurrent-aclose", concurrent_aclose, ClosedError),
+]
+
+
+def test_table_is_big_enough() -> None:
+    assert len(ROWS) >= 25
+    assert len({r[0] for r in ROWS}) == len(ROWS)
+
+
+@pytest.mark.parametrize(("name", "call", "error"), ROWS, ids=[r[0] for r in ROWS])
+async def test_bad_input_is_typed_and_loses_nothing(
+    tmp_path: Path, name: str, call: Callable[[Ctx], Awaitable[Any]], error: type[BaseException]
+) -> None:
+    async with open_engine(tmp_path / "tier", cpu_rows=12) as (engine, kv):
+        stored = chain_keys(list(range(4 * engine.block_tokens)), engine.block_tokens,
+                            engine.namespace)
+        write_blocks(kv, stored, list(range(4 * BPC)))
+        await engine.store(stored, list(range(4 * BPC)))
+        await engine.flush()
+        ctx = Ctx(engine, kv, tmp_path, stored)
+        with pytest.raises(error) as info:
+            await call(ctx)
+        assert isinstance(info.value, KVTierError)
+        assert str(info.value)  # a message that says something
+        # Nothing already stored was lost, and the engine still works.
+        assert engine.lookup(stored) == len(stored)
+        assert await verify_everything(engine, kv, set(stored)) == 0
+        st = engine.statistics()
+        assert st.cpu.pinned == 0
+        assert st.in_flight == 0
