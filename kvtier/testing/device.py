@@ -235,6 +235,58 @@ class DeviceTransferSuite:
         with pytest.raises(LayoutError):
             open_device_transfer(layout, {"nope": kv[0]}, host.views, backend=self.backend)  # type: ignore[arg-type]
 
+    @pytest.mark.parametrize(
+        "spoil",
+        [
+            lambda v: v.view(torch.int8),
+            lambda v: v.to(torch.float16),
+            lambda v: v[0],
+            lambda v: v[:, ::2],
+            lambda v: v[:-1],
+        ],
+        ids=["int8", "float16", "one-dim", "inner-stride", "fewer-rows"],
+    )
+    def test_host_views_of_the_wrong_kind_are_layout_errors(self, spoil: Any) -> None:
+        kv = _random_kv("mixed", 0, self.device)
+        layout = _layout("mixed", kv, 1)
+        host = HostRows.for_layout(layout)
+        views = [host.views[0], spoil(host.views[1])]
+        with pytest.raises(LayoutError, match="host view"):
+            open_device_transfer(layout, kv, views, backend=self.backend)  # type: ignore[arg-type]
+
+    async def test_empty_requests_complete_at_once(self, opened: Any) -> None:
+        xfer, _, _kv, host = opened("two-groups", 2)
+        for done in (
+            xfer.store([], []),
+            xfer.store({0: [], 1: []}, np.zeros(0, dtype=np.int64)),
+            xfer.load([], []),
+        ):
+            assert done.done()
+            await done
+        st = xfer.statistics()
+        assert (st.stores, st.loads, st.copies_issued, st.in_flight) == (0, 0, 0, 0)
+        assert not host.buffer.any()
+        await xfer.aclose()
+
+    async def test_a_store_and_a_load_in_flight_together(self, opened: Any) -> None:
+        xfer, layout, kv, host = opened("kv-first", 2)
+        await xfer.store(np.arange(8), [0, 1, 2, 3])
+        before = [t.clone() for t in kv]
+        # Rows 4..9 receive blocks 8..19 while rows 0..3 go back to blocks 23..16.
+        store = xfer.store(np.arange(8, 20), [4, 5, 6, 7, 8, 9])
+        load = xfer.load([0, 1, 2, 3], np.arange(23, 15, -1))
+        assert xfer.statistics().in_flight == 2
+        await asyncio.gather(_wait(store), _wait(load))
+        for r in range(4, 10):
+            ids = list(range(8 + 2 * (r - 4), 10 + 2 * (r - 4)))
+            want = reference_row(layout, [t.cpu() for t in before], ids)
+            assert bytes(host.row(r)[: len(want)].numpy()) == want
+        for spec, t, o in zip(layout.tensors, kv, before, strict=True):
+            for pos, d in enumerate(range(23, 15, -1)):
+                got = _bytes(t[:, d] if spec.kv_first else t[d])
+                assert got == _bytes(o[:, pos] if spec.kv_first else o[pos]), (spec.name, d)
+        await xfer.aclose()
+
     async def test_cancelled_awaiter_does_not_cancel_the_copy(self, opened: Any) -> None:
         xfer, layout, kv, host = opened("kv-first", 1)
         done = xfer.store(np.arange(ROWS), np.arange(ROWS))

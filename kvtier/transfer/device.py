@@ -12,22 +12,27 @@ Two backends share one design, a worker thread per direction that plans and
 issues the copies, so the event loop never waits on a copy:
 
 ``cpu``
-    The "device" tensors are CPU tensors; the worker runs ``Tensor.copy_``
-    (which releases the GIL) and resolves the completion.
+    The "device" tensors are CPU tensors; the worker copies through numpy
+    views of the same memory (a strided copy that releases the GIL) and
+    resolves the completion.
 ``cuda``
     The worker issues ``non_blocking`` copies on a dedicated stream per
-    direction, records a CUDA event and waits for it *in that thread*
-    (``Event.synchronize``), then resolves the completion. A store's stream
-    first waits on an event recorded on the caller's current stream at submit
-    time, so the model's writes to those blocks are finished before they are
-    read. A waiting thread costs no CPU and no polling latency, and keeps the
-    loop free; it is the design the asyncio loop needs (measure with
-    ``benchmarks/transfer.py`` on a GPU machine).
+    direction, each contiguous on both sides so that it is one
+    ``cudaMemcpyAsync`` to or from the pinned region, and records a CUDA
+    event; a waiter thread per direction blocks in ``Event.synchronize`` and
+    then resolves the completion. A store's stream first waits on an event
+    recorded on the caller's current stream at submit time, so the model's
+    writes to those blocks are finished before they are read. A blocked
+    waiter thread costs no CPU and no polling latency, keeps the loop free,
+    and lets the worker issue the next request while the copy engine is still
+    busy (measure with ``benchmarks/transfer.py`` on a GPU machine).
 
 Index arithmetic is vectorized with numpy: the request's sub-blocks are cut
 into runs where both the device ids and the host positions are consecutive,
 and each run becomes at most three strided copies per tensor (a partial first
-row, whole rows, a partial last row), whatever the number of blocks in it.
+row, whole rows, a partial last row), whatever the number of blocks in it. The
+CUDA backend cuts those further into pieces contiguous on both sides (a K or V
+half, one row: host rows are strided), since only those are single DMA copies.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import asyncio
 import contextlib
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -376,8 +381,15 @@ class _Copier(abc.ABC):
         """Called on the submitting thread: a marker of the compute stream's progress."""
 
     @abc.abstractmethod
-    def run(self, store: bool, pairs: list[tuple[Any, Any]], marker: object) -> None:
-        """Copy ``dst.copy_(src)`` for each pair; return once the bytes have moved."""
+    def run(
+        self, store: bool, pairs: list[tuple[Any, Any]], marker: object
+    ) -> tuple[int, Callable[[], None] | None]:
+        """Issue ``dst.copy_(src)`` for each pair.
+
+        Returns the number of copies issued and, when the copies may still be
+        running on return, a callable that blocks until they are done (it runs
+        on a waiter thread, so the next request can be issued meanwhile).
+        """
 
 
 class _CpuCopier(_Copier):
@@ -394,12 +406,40 @@ class _CpuCopier(_Copier):
     def mark(self) -> object:
         return None
 
-    def run(self, store: bool, pairs: list[tuple[Any, Any]], marker: object) -> None:
+    def run(
+        self, store: bool, pairs: list[tuple[Any, Any]], marker: object
+    ) -> tuple[int, Callable[[], None] | None]:
         for dst, src in pairs:
             dst[...] = src
+        return len(pairs), None
+
+
+def _contiguous_parts(dst: Any, src: Any, out: list[tuple[Any, Any]]) -> None:
+    """Split a strided copy into copies contiguous on both sides (appended to ``out``).
+
+    ``Tensor.copy_`` between a CUDA tensor and a non-contiguous CPU tensor
+    stages through a contiguous temporary in pageable memory, which makes a
+    ``non_blocking`` copy synchronous and costs an extra pass. Pieces that are
+    contiguous on both sides are single ``cudaMemcpyAsync`` calls between device
+    memory and the pinned region.
+    """
+    if dst.is_contiguous() and src.is_contiguous():
+        out.append((dst, src))
+        return
+    for i in range(dst.shape[0]):
+        _contiguous_parts(dst[i], src[i], out)
 
 
 class _CudaCopier(_Copier):  # pragma: no cover - needs a GPU
+    """Copies on one dedicated stream per direction; completion is a CUDA event.
+
+    The request's worker thread issues the copies and records an event; a
+    waiter thread per direction blocks in ``Event.synchronize`` and then
+    resolves the completion. Blocking a thread that does nothing else costs no
+    CPU and adds no polling latency, keeps the event loop free, and lets the
+    worker issue the next request while the copy engine is still busy.
+    """
+
     name = "cuda"
 
     def __init__(self, device: Any) -> None:
@@ -413,23 +453,30 @@ class _CudaCopier(_Copier):  # pragma: no cover - needs a GPU
         }
 
     def mark(self) -> object:
-        # Recorded where the caller submits: everything the model queued on its
-        # stream before this store (its writes to these blocks) is before the event.
+        # Recorded where the caller submits, on the caller's current (compute)
+        # stream: everything the model queued before this store (its writes to
+        # these blocks) is before the event. ``stream.wait_stream`` called later
+        # on the worker thread would see that thread's current stream instead.
         event = self._torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(self._torch.cuda.current_stream(self._device))
         return event
 
-    def run(self, store: bool, pairs: list[tuple[Any, Any]], marker: object) -> None:
+    def run(
+        self, store: bool, pairs: list[tuple[Any, Any]], marker: object
+    ) -> tuple[int, Callable[[], None] | None]:
         torch = self._torch
         stream = self._streams[store]
+        parts: list[tuple[Any, Any]] = []
+        for dst, src in pairs:
+            _contiguous_parts(dst, src, parts)
         with torch.cuda.device(self._device), torch.cuda.stream(stream):
             if store:
                 stream.wait_event(marker)  # type: ignore[arg-type]
-            for dst, src in pairs:
+            for dst, src in parts:
                 dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
-        done.synchronize()  # blocks this worker thread only, never the loop
+        return len(parts), done.synchronize
 
 
 @dataclass(slots=True)
@@ -440,6 +487,12 @@ class _Request:
     done: Completion[None]
     nbytes: int
     marker: object
+
+
+def _failure(req: _Request, exc: BaseException) -> TransferError:
+    err = TransferError(f"{'store' if req.store else 'load'} of {req.nbytes} bytes failed: {exc}")
+    err.__cause__ = exc
+    return err
 
 
 class _ThreadedTransfer(DeviceTransfer):
@@ -582,30 +635,48 @@ class _ThreadedTransfer(DeviceTransfer):
         for store in (True, False):
             q: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
             self._queues[store] = q
-            th = threading.Thread(
-                target=self._worker,
-                args=(q,),
-                name=f"kvtier-{self._copier.name}-{'store' if store else 'load'}",
-                daemon=True,
-            )
-            th.start()
-            self._threads.append(th)
+            self._spawn(self._worker, (q, store), "store" if store else "load")
+
+    def _spawn(self, target: Callable[..., None], args: tuple[Any, ...], what: str) -> None:
+        th = threading.Thread(
+            target=target, args=args, name=f"kvtier-{self._copier.name}-{what}", daemon=True
+        )
+        th.start()
+        self._threads.append(th)
 
     # -- the workers --------------------------------------------------------------------
 
-    def _worker(self, q: queue.SimpleQueue[_Request | None]) -> None:
+    def _worker(self, q: queue.SimpleQueue[_Request | None], store: bool) -> None:
+        waiting: queue.SimpleQueue[tuple[_Request, Callable[[], None], int] | None] | None = None
         while (req := q.get()) is not None:
             try:
-                pairs = self._pairs(req)
-                self._copier.run(req.store, pairs, req.marker)
+                copies, wait = self._copier.run(req.store, self._pairs(req), req.marker)
             except Exception as exc:  # handed to the awaiting side, typed
-                err = TransferError(
-                    f"{'store' if req.store else 'load'} of {req.nbytes} bytes failed: {exc}"
-                )
-                err.__cause__ = exc
-                self._finish_threadsafe(req, err, 0)
+                self._finish_threadsafe(req, _failure(req, exc), 0)
+                continue
+            if wait is None:
+                self._finish_threadsafe(req, None, copies)
+                continue
+            if waiting is None:  # the first asynchronous copy of this direction
+                waiting = queue.SimpleQueue()
+                self._spawn(self._waiter, (waiting,), f"{'store' if store else 'load'}-waiter")
+            waiting.put((req, wait, copies))
+        if waiting is not None:
+            waiting.put(None)
+
+    def _waiter(
+        self, q: queue.SimpleQueue[tuple[_Request, Callable[[], None], int] | None]
+    ) -> None:
+        # Copies of one direction share a stream, so they finish in the order
+        # they were issued: waiting on them first in, first out loses nothing.
+        while (item := q.get()) is not None:
+            req, wait, copies = item
+            try:
+                wait()
+            except Exception as exc:
+                self._finish_threadsafe(req, _failure(req, exc), 0)
             else:
-                self._finish_threadsafe(req, None, len(pairs))
+                self._finish_threadsafe(req, None, copies)
 
     def _pairs(self, req: _Request) -> list[tuple[Any, Any]]:
         """(destination, source) views of every copy of ``req``, tensor by tensor."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,7 +36,9 @@ class TestCudaBackend(DeviceTransferSuite):  # pragma: no cover - needs a GPU
 class _BrokenCopier(_CpuCopier):
     """A copier whose hardware fails half way (the seam every backend plugs into)."""
 
-    def run(self, store: bool, pairs: list[tuple[Any, Any]], marker: object) -> None:
+    def run(
+        self, store: bool, pairs: list[tuple[Any, Any]], marker: object
+    ) -> tuple[int, Callable[[], None] | None]:
         super().run(store, pairs[: len(pairs) // 2], marker)
         raise RuntimeError("simulated device fault")
 
@@ -51,4 +56,50 @@ async def test_a_failing_copy_is_a_typed_error_with_its_cause() -> None:
     with pytest.raises(TransferError):  # every later request fails typed too, no hang
         await xfer.load([0], [5])
     assert xfer.statistics().failures == 2
+    await xfer.aclose()
+
+
+class _DeferredCopier(_CpuCopier):
+    """Copies like the CPU backend but reports completion later, the way a stream
+    and its event do: exercises the waiter thread the CUDA backend relies on."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.release = threading.Event()
+
+    def run(
+        self, store: bool, pairs: list[tuple[Any, Any]], marker: object
+    ) -> tuple[int, Callable[[], None] | None]:
+        copies, _ = super().run(store, pairs, marker)
+
+        def wait() -> None:
+            self.release.wait(timeout=10)
+            if self.fail:
+                raise RuntimeError("simulated event error")
+
+        return copies, wait
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["ok", "event-error"])
+async def test_completion_waits_for_the_copier_to_report_done(fail: bool) -> None:
+    kv = [torch.arange(8 * 64, dtype=torch.float16).reshape(8, 64)]
+    layout = KVLayout.from_tensors(kv, model_id="m", block_tokens=4, num_blocks=8)
+    host = HostRows.for_layout(layout, rows=4)
+    copier = _DeferredCopier(fail)
+    xfer = _ThreadedTransfer(layout, kv, host.views, copier)
+    first, second = xfer.store([0], [0]), xfer.store([1], [1])
+    await asyncio.sleep(0.05)
+    assert not first.done(), "resolved before the copier said done"
+    assert not second.done()
+    assert xfer.statistics().in_flight == 2
+    copier.release.set()
+    for done in (first, second):
+        if fail:
+            with pytest.raises(TransferError, match="simulated event error") as info:
+                await done
+            assert isinstance(info.value.__cause__, RuntimeError)
+        else:
+            await done
+    st = xfer.statistics()
+    assert (st.stores, st.failures, st.in_flight) == ((0, 2, 0) if fail else (2, 0, 0))
     await xfer.aclose()
