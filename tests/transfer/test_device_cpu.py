@@ -13,12 +13,24 @@ import torch
 from kvtier.errors import TransferError
 from kvtier.layout import KVLayout
 from kvtier.testing.device import DeviceTransferSuite, HostRows
-from kvtier.transfer.device import _CpuCopier, _ThreadedTransfer
+from kvtier.transfer.device import DeviceTransfer, _CpuCopier, _ThreadedTransfer
 
 
 class TestCpuBackend(DeviceTransferSuite):
     backend = "cpu"
     device = "cpu"
+
+
+class TestCpuBackendOverHelperThreads(DeviceTransferSuite):
+    """Every request, however small, dealt out over the worker and two helpers."""
+
+    backend = "cpu"
+    device = "cpu"
+
+    def open_transfer(
+        self, layout: KVLayout, kv: list[torch.Tensor], views: list[torch.Tensor]
+    ) -> DeviceTransfer:
+        return _ThreadedTransfer(layout, kv, views, _CpuCopier(threads=3, split_bytes=1))
 
 
 needs_cuda = pytest.mark.skipif(
@@ -64,6 +76,7 @@ class _DeferredCopier(_CpuCopier):
     and its event do: exercises the waiter thread the CUDA backend relies on."""
 
     def __init__(self, fail: bool = False) -> None:
+        super().__init__()
         self.fail = fail
         self.release = threading.Event()
 
