@@ -51,9 +51,10 @@ class HostRows:
     views: list[torch.Tensor]
 
     @classmethod
-    def for_layout(cls, layout: KVLayout, rows: int = ROWS) -> HostRows:
+    def for_layout(cls, layout: KVLayout, rows: int = ROWS, *, pin: bool = False) -> HostRows:
+        """Rows padded past ``bytes_per_chunk``; ``pin`` page-locks them, as for CUDA."""
         stride = -(-layout.bytes_per_chunk // PAD) * PAD + PAD  # room for padding to check
-        buffer = torch.zeros(rows * stride, dtype=torch.uint8)
+        buffer = torch.zeros(rows * stride, dtype=torch.uint8, pin_memory=pin)
         views = [
             torch.as_strided(
                 buffer, (rows, t.bytes_per_block * layout.blocks_per_chunk), (stride, 1),
@@ -71,7 +72,7 @@ def reference_row(layout: KVLayout, kv: list[torch.Tensor], ids: list[int]) -> b
     """One worker's slice of a row holding device blocks ``ids``, built byte by byte."""
     out = bytearray()
     for spec, t in zip(layout.tensors, kv, strict=True):
-        raw = t.view(torch.uint8)
+        raw = t.detach().cpu().view(torch.uint8)
         if spec.kv_first:
             for half in (0, 1):
                 for b in ids:
@@ -121,7 +122,7 @@ class DeviceTransferSuite:
         ) -> tuple[DeviceTransfer, KVLayout, list[torch.Tensor], HostRows]:
             kv = _random_kv(name, seed, self.device)
             layout = _layout(name, kv, bpc)
-            host = HostRows.for_layout(layout)
+            host = HostRows.for_layout(layout, pin=self.device == "cuda")
             return self.open_transfer(layout, kv, host.views), layout, kv, host
 
         return make  # each test closes what it opened (its worker threads are daemons)
@@ -225,7 +226,7 @@ class DeviceTransferSuite:
     def test_mismatched_tensors_and_views_are_layout_errors(self) -> None:
         kv = _random_kv("mixed", 0, self.device)
         layout = _layout("mixed", kv, 1)
-        host = HostRows.for_layout(layout)
+        host = HostRows.for_layout(layout, pin=self.device == "cuda")
         bad_kv: list[list[torch.Tensor]] = [
             kv[:1],
             [kv[0].float(), kv[1]],
@@ -256,7 +257,7 @@ class DeviceTransferSuite:
     def test_host_views_of_the_wrong_kind_are_layout_errors(self, spoil: Any) -> None:
         kv = _random_kv("mixed", 0, self.device)
         layout = _layout("mixed", kv, 1)
-        host = HostRows.for_layout(layout)
+        host = HostRows.for_layout(layout, pin=self.device == "cuda")
         views = [host.views[0], spoil(host.views[1])]
         with pytest.raises(LayoutError, match="host view"):
             open_device_transfer(layout, kv, views, backend=self.backend)  # type: ignore[arg-type]

@@ -22,7 +22,9 @@ issues the copies, so the event loop never waits on a copy:
     event; a waiter thread per direction blocks in ``Event.synchronize`` and
     then resolves the completion. A store's stream first waits on an event
     recorded on the caller's current stream at submit time, so the model's
-    writes to those blocks are finished before they are read. A blocked
+    writes to those blocks are finished before they are read; a load's stream
+    waits on it too, so work queued before the load that still reads the
+    blocks it overwrites goes first. A blocked
     waiter thread costs no CPU and no polling latency, keeps the loop free,
     and lets the worker issue the next request while the copy engine is still
     busy (measure with ``benchmarks/transfer.py`` on a GPU machine).
@@ -101,7 +103,17 @@ class DeviceTransfer(abc.ABC):
     task that awaits a completion does not cancel the copy.
 
     **Ordering.** Requests of one direction run in submission order; stores
-    and loads run concurrently with each other.
+    and loads run concurrently with each other. On CUDA, every request is also
+    ordered after the work queued on the caller's current stream when it was
+    submitted (the model's writes to the blocks a store reads; reads of the
+    blocks a load overwrites); nothing later on that stream waits for it:
+    await the completion before the model reads loaded blocks.
+
+    **Pinning.** CUDA copies are ``non_blocking`` and cut into pieces
+    contiguous on both sides, which the driver moves by DMA only from and to
+    page-locked memory: give views of a pinned region
+    (:class:`~kvtier.region.CPURegion` pins itself where CUDA is). Pageable
+    rows still give the right bytes, but each copy then blocks the worker.
     """
 
     @property
@@ -501,9 +513,9 @@ class _CudaCopier(_Copier):  # pragma: no cover - needs a GPU
 
     def mark(self) -> object:
         # Recorded where the caller submits, on the caller's current (compute)
-        # stream: everything the model queued before this store (its writes to
-        # these blocks) is before the event. ``stream.wait_stream`` called later
-        # on the worker thread would see that thread's current stream instead.
+        # stream: everything the model queued before this request (its writes
+        # to these blocks) is before the event. ``stream.wait_stream`` called
+        # later on the worker thread would see that thread's current stream.
         event = self._torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(self._torch.cuda.current_stream(self._device))
         return event
@@ -517,8 +529,10 @@ class _CudaCopier(_Copier):  # pragma: no cover - needs a GPU
         for dst, src in pairs:
             _contiguous_parts(dst, src, parts)
         with torch.cuda.device(self._device), torch.cuda.stream(stream):
-            if store:
-                stream.wait_event(marker)  # type: ignore[arg-type]
+            # A store must not read blocks before the model's writes to them;
+            # a load must not overwrite blocks that work queued before it may
+            # still read (the blocks it was handed were free a moment ago).
+            stream.wait_event(marker)  # type: ignore[arg-type]
             for dst, src in parts:
                 dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
@@ -567,7 +581,7 @@ class _ThreadedTransfer(DeviceTransfer):
         self._host: list[Any] = []
         self._kv_first: list[bool] = []
         for spec, t, v in zip(layout.tensors, tensors, views, strict=True):
-            raw = t.view(torch.uint8)
+            raw = t.detach().view(torch.uint8)
             if spec.kv_first:
                 half = spec.bytes_per_half
                 self._dev.append(raw.reshape(2, spec.num_blocks, half))
