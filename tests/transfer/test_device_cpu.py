@@ -10,10 +10,15 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier.errors import TransferError
+from kvtier.errors import InvalidArgumentError, TransferError
 from kvtier.layout import KVLayout
-from kvtier.testing.device import DeviceTransferSuite, HostRows
-from kvtier.transfer.device import DeviceTransfer, _CpuCopier, _ThreadedTransfer
+from kvtier.testing.device import DeviceTransferSuite, HostRows, reference_row
+from kvtier.transfer.device import (
+    DeviceTransfer,
+    _CpuCopier,
+    _ThreadedTransfer,
+    open_device_transfer,
+)
 
 
 class TestCpuBackend(DeviceTransferSuite):
@@ -116,3 +121,46 @@ async def test_completion_waits_for_the_copier_to_report_done(fail: bool) -> Non
     st = xfer.statistics()
     assert (st.stores, st.failures, st.in_flight) == ((0, 2, 0) if fail else (2, 0, 0))
     await xfer.aclose()
+
+
+def test_a_copy_finishing_after_its_loop_closed_is_harmless() -> None:
+    kv = [torch.zeros(8, 64, dtype=torch.float16)]
+    layout = KVLayout.from_tensors(kv, model_id="m", block_tokens=4, num_blocks=8)
+    host = HostRows.for_layout(layout, rows=4)
+    copier = _DeferredCopier()
+    xfer = _ThreadedTransfer(layout, kv, host.views, copier)
+
+    async def submit() -> None:
+        xfer.store([0], [0])  # never awaited: its loop goes away first
+
+    errors: list[threading.ExceptHookArgs] = []
+    previous, threading.excepthook = threading.excepthook, errors.append
+    try:
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(submit())
+        loop.close()
+        copier.release.set()
+        waiters = [t for t in threading.enumerate() if t.name == "kvtier-cpu-store-waiter"]
+        for t in waiters:
+            t.join(timeout=0.2)  # it stays up for the next request; give it time to finish
+    finally:
+        threading.excepthook = previous
+    assert not errors
+
+
+async def test_tensors_by_name_and_backend_choice() -> None:
+    kv = {"k": torch.zeros(2, 8, 16, dtype=torch.float16), "b": torch.ones(8, 4)}
+    layout = KVLayout.from_tensors(kv, model_id="m", block_tokens=4, num_blocks=8)
+    host = HostRows.for_layout(layout, rows=4)
+    xfer = open_device_transfer(layout, dict(reversed(kv.items())), host.views)
+    assert xfer.backend == "cpu"
+    assert xfer.statistics().backend == "cpu"
+    await xfer.store([1, 2], [3, 0])
+    assert bytes(host.row(0)[: layout.bytes_per_chunk].numpy()) == reference_row(
+        layout, list(kv.values()), [2]
+    )
+    await xfer.aclose()
+    with pytest.raises(InvalidArgumentError, match="cannot copy"):
+        open_device_transfer(layout, kv, host.views, backend="cuda")
+    with pytest.raises(InvalidArgumentError, match="backend must be"):
+        open_device_transfer(layout, kv, host.views, backend="tpu")  # type: ignore[arg-type]
