@@ -855,6 +855,12 @@ class FileTier:
         except KVTierError as exc:
             self._block_done(op, exc)
             return
+        except Exception as exc:
+            # Reached from a metadata callback too, outside _pump's guard: a bug
+            # must not leave the block in flight and aclose waiting forever.
+            log.exception("file tier: block %s failed to start", op.key.hex())
+            self._block_done(op, TierIOError(_errno.EIO, f"internal error: {exc!r}"))
+            return
         done.add_done_callback(lambda c: self._written(op, c))
 
     def _written(self, op: _BlockOp, done: Completion[int]) -> None:
