@@ -23,31 +23,32 @@ def main(where: Path) -> int:
     runs = {f.stem: json.loads(f.read_text()) for f in files}
     total: Counter[str] = Counter()
     faults: Counter[str] = Counter()
-    print("| run | operations | faults injected | crash cycles | blocks verified "
+    print("| run | operations | faults injected | kill cycles | bad inputs | blocks verified "
           "| blocks lost | wrong blocks served |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in runs.items():
         injected = r.get("faults_injected", {})
         faults.update(injected)
         row = {
-            "operations": r.get("operations", r.get("requests", 0)),
-            "faults": sum(injected.values()),
-            "cycles": r.get("crash_cycles", 0),
-            "verified": r.get("blocks_verified", 0),
-            "lost": r.get("blocks_lost", 0),
-            "wrong": r.get("wrong_blocks_served", 0),
+            "operations": r.get("operations", r.get("requests")),
+            "faults": sum(injected.values()) if injected else None,
+            "cycles": r.get("crash_cycles", r.get("shm_cycles")),
+            "bad inputs": r.get("bad_inputs_tried"),
+            "verified": r.get("blocks_verified"),
+            "lost": r.get("blocks_lost"),
+            "wrong": r.get("wrong_blocks_served"),
         }
-        total.update(row)
-        print(f"| {name} | {row['operations']} | {row['faults']} | {row['cycles']} "
-              f"| {row['verified']} | {row['lost']} | {row['wrong']} |")
-    print(f"| **total** | {total['operations']} | {total['faults']} | {total['cycles']} "
-          f"| {total['verified']} | {total['lost']} | {total['wrong']} |")
+        total.update({k: v for k, v in row.items() if v})
+        cells = " | ".join("-" if v is None else str(v) for v in row.values())
+        print(f"| {name.removeprefix('test_').rstrip('_')} | {cells} |")
+    keys = ("operations", "faults", "cycles", "bad inputs", "verified", "lost", "wrong")
+    print("| **total** | " + " | ".join(str(total[k]) for k in keys) + " |")
     print()
     print("Faults injected by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(faults.items())))
     for name, r in runs.items():
         extra = {k: v for k, v in r.items() if k not in {
-            "operations", "faults_injected", "crash_cycles", "blocks_verified",
-            "blocks_lost", "wrong_blocks_served"}}
+            "operations", "faults_injected", "crash_cycles", "shm_cycles", "blocks_verified",
+            "blocks_lost", "wrong_blocks_served", "bad_inputs_tried"}}
         if extra:
             print(f"- {name}: " + ", ".join(f"{k} {v}" for k, v in sorted(extra.items())))
     return 0

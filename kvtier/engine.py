@@ -623,11 +623,15 @@ class Engine:
             After :meth:`aclose`.
         """
         self._check_open()
-        while self._file_writes or any(
-            not j.done.done() for j in set(self._inflight.values())
-        ):
+        while True:
+            # Only what is not done yet: awaiting a done completion does not yield,
+            # and a done write leaves the set only when its callback has run, so
+            # waiting on those would spin without ever letting the callback run.
             # Stores in flight start more file writes when their copy completes.
-            pending = list(self._file_writes) + [j.done for j in set(self._inflight.values())]
+            jobs = {j.done for j in self._inflight.values()}
+            pending = [c for c in (*self._file_writes, *jobs) if not c.done()]
+            if not pending:
+                return
             for c in pending:
                 await _settle(c)
 

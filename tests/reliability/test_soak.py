@@ -37,6 +37,7 @@ def open_fds() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SECONDS + 300)
 async def test_soak_keeps_memory_fds_pins_and_shm_flat(
     tmp_path: Path, report: dict[str, object]
 ) -> None:
