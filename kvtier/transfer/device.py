@@ -46,7 +46,7 @@ import contextlib
 import os
 import queue
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -396,9 +396,9 @@ class _Copier(abc.ABC):
 
     @abc.abstractmethod
     def run(
-        self, store: bool, pairs: list[tuple[Any, Any]], marker: object
+        self, store: bool, batches: Iterable[list[tuple[Any, Any]]], marker: object, nbytes: int
     ) -> tuple[int, Callable[[], None] | None]:
-        """Issue ``dst.copy_(src)`` for each pair.
+        """Issue ``dst.copy_(src)`` for each pair of each batch (a batch per tensor).
 
         Returns the number of copies issued and, when the copies may still be
         running on return, a callable that blocks until they are done (it runs
@@ -419,15 +419,16 @@ def _copy_all(pairs: list[tuple[Any, Any]]) -> None:
 
 
 class _CpuCopier(_Copier):
-    """Copies with numpy on the worker thread, and on helper threads when large.
+    """Copies with numpy on the worker thread, and on a helper thread when large.
 
     numpy's strided copy releases the GIL and costs about 4.6 us per 64 KiB
     piece here against 9.3 us for ``Tensor.copy_`` (measured with 256 scattered
     pieces), and its slicing is ten times cheaper than torch's, which is what
-    dominates when device ids are scattered. One thread does not saturate
-    memory bandwidth with pieces of tens of KiB, so a request of at least
-    ``split_bytes`` is dealt out over ``threads`` threads (the worker and
-    helpers), as ``Tensor.copy_`` does with its intra-op threads.
+    dominates when device ids are scattered. For a request of at least
+    ``split_bytes``, helper threads (one per direction by default) copy the
+    pieces of each tensor while the worker is still building the next
+    tensor's, then the worker joins in: building the views is Python (it holds
+    the GIL), copying is not, so the two overlap.
     """
 
     name = "cpu"
@@ -435,42 +436,58 @@ class _CpuCopier(_Copier):
     def __init__(self, threads: int | None = None, split_bytes: int = _SPLIT_BYTES) -> None:
         self._threads = threads or min(2, os.cpu_count() or 1)
         self._split_bytes = split_bytes
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # One pool per direction: a long store must not hold up a load's helper.
+        self._pools: dict[bool, concurrent.futures.ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
 
     def mark(self) -> object:
         return None
 
     def run(
-        self, store: bool, pairs: list[tuple[Any, Any]], marker: object
+        self, store: bool, batches: Iterable[list[tuple[Any, Any]]], marker: object, nbytes: int
     ) -> tuple[int, Callable[[], None] | None]:
-        k = min(self._threads, len(pairs))
-        if k < 2 or sum(dst.nbytes for dst, _ in pairs) < self._split_bytes:
-            _copy_all(pairs)
-            return len(pairs), None
-        with self._lock:  # both directions' workers share the helpers
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(
-                    self._threads - 1, thread_name_prefix="kvtier-cpu-copy"
+        copies = 0
+        if self._threads < 2 or nbytes < self._split_bytes:
+            for batch in batches:
+                _copy_all(batch)
+                copies += len(batch)
+            return copies, None
+        with self._lock:
+            pool = self._pools.get(store)
+            if pool is None:
+                pool = self._pools[store] = concurrent.futures.ThreadPoolExecutor(
+                    self._threads - 1, thread_name_prefix=f"kvtier-cpu-copy-{store:d}"
                 )
-            pool = self._pool
-        # Dealt out round robin: neighbouring pieces have similar sizes.
-        helpers = [pool.submit(_copy_all, pairs[i::k]) for i in range(1, k)]
+        work: queue.SimpleQueue[list[tuple[Any, Any]] | None] = queue.SimpleQueue()
+        helpers = [pool.submit(_copy_batches, work) for _ in range(self._threads - 1)]
         try:
-            _copy_all(pairs[::k])
+            for batch in batches:
+                work.put(batch)
+                copies += len(batch)
         finally:
-            # Every part must be finished before the request completes, even
-            # when one failed: the rows and blocks are the caller's again then.
-            concurrent.futures.wait(helpers)
+            # Whatever happens, every piece handed out is finished before the
+            # request completes: the rows and blocks are the caller's again then.
+            for _ in range(len(helpers) + 1):  # after every batch: one per consumer
+                work.put(None)
+            try:
+                _copy_batches(work)  # the worker copies what is left too
+            finally:
+                concurrent.futures.wait(helpers)
         for h in helpers:
             h.result()
-        return len(pairs), None
+        return copies, None
 
     def close(self) -> None:
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
             pool.shutdown(wait=True)
+
+
+def _copy_batches(work: queue.SimpleQueue[list[tuple[Any, Any]] | None]) -> None:
+    """Copy batches from ``work`` until a ``None``: one is queued per consumer."""
+    while (batch := work.get()) is not None:
+        _copy_all(batch)
 
 
 def _contiguous_parts(dst: Any, src: Any, out: list[tuple[Any, Any]]) -> None:
@@ -521,13 +538,14 @@ class _CudaCopier(_Copier):  # pragma: no cover - needs a GPU
         return event
 
     def run(
-        self, store: bool, pairs: list[tuple[Any, Any]], marker: object
+        self, store: bool, batches: Iterable[list[tuple[Any, Any]]], marker: object, nbytes: int
     ) -> tuple[int, Callable[[], None] | None]:
         torch = self._torch
         stream = self._streams[store]
         parts: list[tuple[Any, Any]] = []
-        for dst, src in pairs:
-            _contiguous_parts(dst, src, parts)
+        for batch in batches:
+            for dst, src in batch:
+                _contiguous_parts(dst, src, parts)
         with torch.cuda.device(self._device), torch.cuda.stream(stream):
             # A store must not read blocks before the model's writes to them;
             # a load must not overwrite blocks that work queued before it may
@@ -710,7 +728,9 @@ class _ThreadedTransfer(DeviceTransfer):
         waiting: queue.SimpleQueue[tuple[_Request, Callable[[], None], int] | None] | None = None
         while (req := q.get()) is not None:
             try:
-                copies, wait = self._copier.run(req.store, self._pairs(req), req.marker)
+                copies, wait = self._copier.run(
+                    req.store, self._batches(req), req.marker, req.nbytes
+                )
             except Exception as exc:  # handed to the awaiting side, typed
                 self._finish_threadsafe(req, _failure(req, exc), 0)
                 continue
@@ -738,11 +758,13 @@ class _ThreadedTransfer(DeviceTransfer):
             else:
                 self._finish_threadsafe(req, None, copies)
 
-    def _pairs(self, req: _Request) -> list[tuple[Any, Any]]:
-        """(destination, source) views of every copy of ``req``, tensor by tensor."""
+    def _batches(self, req: _Request) -> Iterator[list[tuple[Any, Any]]]:
+        """(destination, source) views of every copy of ``req``, a list per tensor.
+
+        A generator: the copier may copy one tensor's pieces while the next
+        tensor's are built.
+        """
         bpc = self._bpc
-        pairs: list[tuple[Any, Any]] = []
-        append = pairs.append
         # Index tuples depend only on the ids and the tensor kind: build them
         # once per (ids, kind) and apply them to every tensor (most share both;
         # groups given the same array share it too).
@@ -758,6 +780,8 @@ class _ThreadedTransfer(DeviceTransfer):
                 if runs is None:
                     runs = runs_of[id(ids)] = _runs(req.rows, req.subs, ids, bpc)
                 ops = cache[key] = _index_ops(runs, bpc, kv_first)
+            pairs: list[tuple[Any, Any]] = []
+            append = pairs.append
             for hidx, didx, whole in ops:
                 if whole:
                     d0, d1 = didx
@@ -769,7 +793,7 @@ class _ThreadedTransfer(DeviceTransfer):
                 else:
                     h, v = host[hidx], dev[didx]
                 append((h, v) if req.store else (v, h))
-        return pairs
+            yield pairs
 
     def _finish_threadsafe(self, req: _Request, err: BaseException | None, copies: int) -> None:
         loop = self._loop

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -54,9 +54,10 @@ class _BrokenCopier(_CpuCopier):
     """A copier whose hardware fails half way (the seam every backend plugs into)."""
 
     def run(
-        self, store: bool, pairs: list[tuple[Any, Any]], marker: object
+        self, store: bool, batches: Iterable[list[tuple[Any, Any]]], marker: object, nbytes: int
     ) -> tuple[int, Callable[[], None] | None]:
-        super().run(store, pairs[: len(pairs) // 2], marker)
+        pairs = [pair for batch in batches for pair in batch]
+        super().run(store, [pairs[: len(pairs) // 2]], marker, nbytes)
         raise RuntimeError("simulated device fault")
 
 
@@ -86,9 +87,9 @@ class _DeferredCopier(_CpuCopier):
         self.release = threading.Event()
 
     def run(
-        self, store: bool, pairs: list[tuple[Any, Any]], marker: object
+        self, store: bool, batches: Iterable[list[tuple[Any, Any]]], marker: object, nbytes: int
     ) -> tuple[int, Callable[[], None] | None]:
-        copies, _ = super().run(store, pairs, marker)
+        copies, _ = super().run(store, batches, marker, nbytes)
 
         def wait() -> None:
             self.release.wait(timeout=10)
@@ -140,9 +141,13 @@ def test_a_copy_finishing_after_its_loop_closed_is_harmless() -> None:
         loop.run_until_complete(submit())
         loop.close()
         copier.release.set()
-        waiters = [t for t in threading.enumerate() if t.name == "kvtier-cpu-store-waiter"]
-        for t in waiters:
-            t.join(timeout=0.2)  # it stays up for the next request; give it time to finish
+        # No loop is left to close it: stop its threads the way aclose does,
+        # once the waiter has finished the store (it runs the queue in order).
+        for q in xfer._queues.values():
+            q.put(None)
+        for t in xfer._threads:
+            t.join(timeout=10)
+            assert not t.is_alive()
     finally:
         threading.excepthook = previous
     assert not errors
