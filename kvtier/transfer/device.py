@@ -13,8 +13,10 @@ issues the copies, so the event loop never waits on a copy:
 
 ``cpu``
     The "device" tensors are CPU tensors; the worker copies through numpy
-    views of the same memory (a strided copy that releases the GIL) and
-    resolves the completion.
+    views of the same memory (a strided copy that releases the GIL), with a
+    helper thread per direction copying one tensor's pieces while the worker
+    builds the next tensor's for requests of 4 MiB or more, and resolves the
+    completion.
 ``cuda``
     The worker issues ``non_blocking`` copies on a dedicated stream per
     direction, each contiguous on both sides so that it is one

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -169,3 +170,33 @@ async def test_tensors_by_name_and_backend_choice() -> None:
         open_device_transfer(layout, kv, host.views, backend="cuda")
     with pytest.raises(InvalidArgumentError, match="backend must be"):
         open_device_transfer(layout, kv, host.views, backend="tpu")  # type: ignore[arg-type]
+
+
+class _PoisonedCopier(_CpuCopier):
+    """Splits every request over helpers and slips one unwritable piece into a batch."""
+
+    def __init__(self) -> None:
+        super().__init__(threads=3, split_bytes=1)
+
+    def run(
+        self, store: bool, batches: Iterable[list[tuple[Any, Any]]], marker: object, nbytes: int
+    ) -> tuple[int, Callable[[], None] | None]:
+        frozen = np.zeros(4, dtype=np.uint8)
+        frozen.setflags(write=False)
+        poisoned = [*batches]
+        poisoned.insert(1, [(frozen, np.ones(4, dtype=np.uint8))])
+        return super().run(store, iter(poisoned), marker, nbytes)
+
+
+async def test_a_piece_failing_on_a_helper_fails_the_request_typed() -> None:
+    kv = [torch.ones(2, 8, 64, dtype=torch.float16), torch.ones(8, 32, dtype=torch.float16)]
+    layout = KVLayout.from_tensors(kv, model_id="m", block_tokens=4, num_blocks=8)
+    host = HostRows.for_layout(layout, rows=4)
+    xfer = _ThreadedTransfer(layout, kv, host.views, _PoisonedCopier())
+    for _ in range(3):  # and the helpers are still there for the next request
+        with pytest.raises(TransferError, match="read-only") as info:
+            await xfer.store([0, 1, 2], [0, 1, 2])
+        assert isinstance(info.value.__cause__, ValueError)
+    assert xfer.statistics().failures == 3
+    assert xfer.statistics().in_flight == 0
+    await xfer.aclose()
