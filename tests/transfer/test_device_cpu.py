@@ -16,6 +16,8 @@ from kvtier.layout import KVLayout
 from kvtier.testing.device import DeviceTransferSuite, HostRows, reference_row
 from kvtier.transfer.device import (
     DeviceTransfer,
+    _contiguous_parts,
+    _Copier,
     _CpuCopier,
     _ThreadedTransfer,
     open_device_transfer,
@@ -49,6 +51,42 @@ needs_cuda = pytest.mark.skipif(
 class TestCudaBackend(DeviceTransferSuite):  # pragma: no cover - needs a GPU
     backend = "cuda"
     device = "cuda"
+    contiguous_pieces_only = True
+
+
+class _TorchPiecesCopier(_Copier):
+    """The CUDA copier's host side without a GPU: torch views, contiguous pieces."""
+
+    name = "torch-pieces"
+
+    def mark(self) -> object:
+        return None
+
+    def run(
+        self, store: bool, batches: Iterable[list[tuple[Any, Any]]], marker: object, nbytes: int
+    ) -> tuple[int, Callable[[], None] | None]:
+        parts: list[tuple[Any, Any]] = []
+        for batch in batches:
+            for dst, src in batch:
+                _contiguous_parts(dst, src, parts)
+        for dst, src in parts:
+            assert dst.is_contiguous()
+            assert src.is_contiguous()
+            dst.copy_(src)
+        return len(parts), None
+
+
+class TestTorchViewsInContiguousPieces(DeviceTransferSuite):
+    """What the CUDA backend builds (torch views cut into DMA-able pieces), run on CPU."""
+
+    backend = "cpu"
+    device = "cpu"
+    contiguous_pieces_only = True
+
+    def open_transfer(
+        self, layout: KVLayout, kv: list[torch.Tensor], views: list[torch.Tensor]
+    ) -> DeviceTransfer:
+        return _ThreadedTransfer(layout, kv, views, _TorchPiecesCopier())
 
 
 class _BrokenCopier(_CpuCopier):
