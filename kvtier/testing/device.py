@@ -257,8 +257,9 @@ class DeviceTransferSuite:
             lambda v: v[0],
             lambda v: v[:, ::2],
             lambda v: v[:-1],
+            lambda v: v[:1].expand(ROWS, -1),
         ],
-        ids=["int8", "float16", "one-dim", "inner-stride", "fewer-rows"],
+        ids=["int8", "float16", "one-dim", "inner-stride", "fewer-rows", "rows-overlap"],
     )
     def test_host_views_of_the_wrong_kind_are_layout_errors(self, spoil: Any) -> None:
         kv = _random_kv("mixed", 0, self.device)

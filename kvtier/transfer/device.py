@@ -298,6 +298,10 @@ def _match_views(layout: KVLayout, views: Sequence[Any], torch: Any) -> list[tor
                 f"host view of {spec.name!r} must be (rows, {want}) with inner stride 1, got "
                 f"shape {tuple(v.shape)} strides {v.stride()}"
             )
+        if v.shape[0] > 1 and v.stride(0) < want:
+            raise LayoutError(
+                f"host view of {spec.name!r} has row stride {v.stride(0)} < {want}: rows overlap"
+            )
         if v.device.type != "cpu":
             raise LayoutError(f"host view of {spec.name!r} is on {v.device}, not in CPU memory")
         if rows is not None and v.shape[0] != rows:
