@@ -168,6 +168,8 @@ def _bench(args: argparse.Namespace) -> int:
             gbs(r.fio_read), gbs(r.file_to_cpu) + ratio(r.file_to_cpu, r.fio_read),
         )
     out = Console()
+    if not out.is_terminal:  # a pipe or a file: do not squeeze the table into 80 columns
+        out = Console(width=160)
     out.print(table)
     engine = results[0].io_engine if results else "-"
     note = "fio not installed (apt-get install fio)" if not any(r.fio_read for r in results) else ""
