@@ -238,6 +238,7 @@ class DeviceTransferSuite:
             [kv[0].float(), kv[1]],
             [kv[0], kv[1][:-1]],
             [kv[0].transpose(-1, -2), kv[1]],
+            [kv[0], kv[1].to("meta")],
         ]
         for tensors in bad_kv:
             with pytest.raises(LayoutError):

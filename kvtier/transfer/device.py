@@ -231,10 +231,11 @@ def open_device_transfer(
     import torch
 
     tensors = _match_tensors(layout, kv_tensors)
-    devices = {t.device.type for t in tensors}
+    # One copier serves one device: its streams belong to that device.
+    devices = {str(t.device) for t in tensors}
     if len(devices) != 1:
-        raise LayoutError(f"KV tensors are on several device types: {sorted(devices)}")
-    kind = devices.pop()
+        raise LayoutError(f"KV tensors are on several devices: {sorted(devices)}")
+    kind = tensors[0].device.type
     if backend == "auto":
         backend = "cuda" if kind == "cuda" else "cpu"
     if backend not in ("cpu", "cuda"):
