@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvtier.layout import KVLayout
 from kvtier.region import CPURegion
+from kvtier.transfer._cpu_copy import CpuCopier
 from kvtier.transfer.device import (
     DeviceTransfer,
-    _CpuCopier,
     _match_tensors,
     _match_views,
     _ThreadedTransfer,
@@ -75,7 +75,7 @@ def _open(
         layout,
         _match_tensors(layout, kv),
         _match_views(layout, views, torch),
-        _CpuCopier(threads=threads),
+        CpuCopier(threads=threads),
     )
 
 

@@ -43,9 +43,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import concurrent.futures
 import contextlib
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -243,9 +241,14 @@ def open_device_transfer(
     if backend != kind:
         raise InvalidArgumentError(f"backend {backend!r} cannot copy tensors on {kind!r}")
     views = _match_views(layout, host_views, torch)
+    # The backends import this module's _Copier: imported here, not at the top.
     if backend == "cuda":  # pragma: no cover - needs a GPU
-        return _ThreadedTransfer(layout, tensors, views, _CudaCopier(tensors[0].device))
-    return _ThreadedTransfer(layout, tensors, views, _CpuCopier())
+        from kvtier.transfer._cuda_copy import CudaCopier
+
+        return _ThreadedTransfer(layout, tensors, views, CudaCopier(tensors[0].device))
+    from kvtier.transfer._cpu_copy import CpuCopier
+
+    return _ThreadedTransfer(layout, tensors, views, CpuCopier())
 
 
 # -- validation -------------------------------------------------------------------------
@@ -393,7 +396,11 @@ def _index_ops(runs: list[_Run], bpc: int, kv_first: bool) -> list[tuple[Any, An
 
 
 class _Copier(abc.ABC):
-    """What differs between backends: how a list of copies runs and completes."""
+    """What differs between backends: how a list of copies runs and completes.
+
+    Implemented in :mod:`kvtier.transfer._cpu_copy` and
+    :mod:`kvtier.transfer._cuda_copy`; tests plug fault-injecting ones in.
+    """
 
     name: str
 
@@ -414,155 +421,6 @@ class _Copier(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - most copiers hold nothing to release
         """Release helper threads; called once no request is in flight."""
-
-
-_SPLIT_BYTES = 4 << 20
-"""Requests smaller than this are copied by the worker thread alone."""
-
-
-def _copy_all(pairs: list[tuple[Any, Any]]) -> None:
-    for dst, src in pairs:
-        dst[...] = src
-
-
-class _CpuCopier(_Copier):
-    """Copies with numpy on the worker thread, and on a helper thread when large.
-
-    numpy's strided copy releases the GIL and costs about 4.6 us per 64 KiB
-    piece here against 9.3 us for ``Tensor.copy_`` (measured with 256 scattered
-    pieces), and its slicing is ten times cheaper than torch's, which is what
-    dominates when device ids are scattered. For a request of at least
-    ``split_bytes``, helper threads (one per direction by default) copy the
-    pieces of each tensor while the worker is still building the next
-    tensor's, then the worker joins in: building the views is Python (it holds
-    the GIL), copying is not, so the two overlap.
-    """
-
-    name = "cpu"
-
-    def __init__(self, threads: int | None = None, split_bytes: int = _SPLIT_BYTES) -> None:
-        self._threads = threads or min(2, os.cpu_count() or 1)
-        self._split_bytes = split_bytes
-        # One pool per direction: a long store must not hold up a load's helper.
-        self._pools: dict[bool, concurrent.futures.ThreadPoolExecutor] = {}
-        self._lock = threading.Lock()
-
-    def mark(self) -> object:
-        return None
-
-    def run(
-        self, store: bool, batches: Iterable[list[tuple[Any, Any]]], marker: object, nbytes: int
-    ) -> tuple[int, Callable[[], None] | None]:
-        copies = 0
-        if self._threads < 2 or nbytes < self._split_bytes:
-            for batch in batches:
-                _copy_all(batch)
-                copies += len(batch)
-            return copies, None
-        with self._lock:
-            pool = self._pools.get(store)
-            if pool is None:
-                pool = self._pools[store] = concurrent.futures.ThreadPoolExecutor(
-                    self._threads - 1, thread_name_prefix=f"kvtier-cpu-copy-{store:d}"
-                )
-        work: queue.SimpleQueue[list[tuple[Any, Any]] | None] = queue.SimpleQueue()
-        helpers = [pool.submit(_copy_batches, work) for _ in range(self._threads - 1)]
-        try:
-            for batch in batches:
-                work.put(batch)
-                copies += len(batch)
-        finally:
-            # Whatever happens, every piece handed out is finished before the
-            # request completes: the rows and blocks are the caller's again then.
-            for _ in range(len(helpers) + 1):  # after every batch: one per consumer
-                work.put(None)
-            try:
-                _copy_batches(work)  # the worker copies what is left too
-            finally:
-                concurrent.futures.wait(helpers)
-        for h in helpers:
-            h.result()
-        return copies, None
-
-    def close(self) -> None:
-        with self._lock:
-            pools, self._pools = list(self._pools.values()), {}
-        for pool in pools:
-            pool.shutdown(wait=True)
-
-
-def _copy_batches(work: queue.SimpleQueue[list[tuple[Any, Any]] | None]) -> None:
-    """Copy batches from ``work`` until a ``None``: one is queued per consumer."""
-    while (batch := work.get()) is not None:
-        _copy_all(batch)
-
-
-def _contiguous_parts(dst: Any, src: Any, out: list[tuple[Any, Any]]) -> None:
-    """Split a strided copy into copies contiguous on both sides (appended to ``out``).
-
-    ``Tensor.copy_`` between a CUDA tensor and a non-contiguous CPU tensor
-    stages through a contiguous temporary in pageable memory, which makes a
-    ``non_blocking`` copy synchronous and costs an extra pass. Pieces that are
-    contiguous on both sides are single ``cudaMemcpyAsync`` calls between device
-    memory and the pinned region.
-    """
-    if dst.is_contiguous() and src.is_contiguous():
-        out.append((dst, src))
-        return
-    for i in range(dst.shape[0]):
-        _contiguous_parts(dst[i], src[i], out)
-
-
-class _CudaCopier(_Copier):  # pragma: no cover - needs a GPU
-    """Copies on one dedicated stream per direction; completion is a CUDA event.
-
-    The request's worker thread issues the copies and records an event; a
-    waiter thread per direction blocks in ``Event.synchronize`` and then
-    resolves the completion. Blocking a thread that does nothing else costs no
-    CPU and adds no polling latency, keeps the event loop free, and lets the
-    worker issue the next request while the copy engine is still busy.
-    """
-
-    name = "cuda"
-
-    def __init__(self, device: Any) -> None:
-        import torch
-
-        self._torch = torch
-        self._device = device
-        self._streams = {
-            True: torch.cuda.Stream(device),  # type: ignore[no-untyped-call]
-            False: torch.cuda.Stream(device),  # type: ignore[no-untyped-call]
-        }
-
-    def mark(self) -> object:
-        # Recorded where the caller submits, on the caller's current (compute)
-        # stream: everything the model queued before this request (its writes
-        # to these blocks) is before the event. ``stream.wait_stream`` called
-        # later on the worker thread would see that thread's current stream.
-        event = self._torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(self._torch.cuda.current_stream(self._device))
-        return event
-
-    def run(
-        self, store: bool, batches: Iterable[list[tuple[Any, Any]]], marker: object, nbytes: int
-    ) -> tuple[int, Callable[[], None] | None]:
-        torch = self._torch
-        stream = self._streams[store]
-        parts: list[tuple[Any, Any]] = []
-        for batch in batches:
-            for dst, src in batch:
-                _contiguous_parts(dst, src, parts)
-        with torch.cuda.device(self._device), torch.cuda.stream(stream):
-            # A store must not read blocks before the model's writes to them;
-            # a load must not overwrite blocks that work queued before it may
-            # still read (the blocks it was handed were free a moment ago).
-            stream.wait_event(marker)  # type: ignore[arg-type]
-            for dst, src in parts:
-                dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        return len(parts), done.synchronize
 
 
 @dataclass(slots=True)

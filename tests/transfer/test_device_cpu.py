@@ -14,11 +14,11 @@ import torch
 from kvtier.errors import InvalidArgumentError, TransferError
 from kvtier.layout import KVLayout
 from kvtier.testing.device import DeviceTransferSuite, HostRows, reference_row
+from kvtier.transfer._cpu_copy import CpuCopier
+from kvtier.transfer._cuda_copy import contiguous_parts
 from kvtier.transfer.device import (
     DeviceTransfer,
-    _contiguous_parts,
     _Copier,
-    _CpuCopier,
     _ThreadedTransfer,
     open_device_transfer,
 )
@@ -38,7 +38,7 @@ class TestCpuBackendOverHelperThreads(DeviceTransferSuite):
     def open_transfer(
         self, layout: KVLayout, kv: list[torch.Tensor], views: list[torch.Tensor]
     ) -> DeviceTransfer:
-        return _ThreadedTransfer(layout, kv, views, _CpuCopier(threads=3, split_bytes=1))
+        return _ThreadedTransfer(layout, kv, views, CpuCopier(threads=3, split_bytes=1))
 
 
 needs_cuda = pytest.mark.skipif(
@@ -68,7 +68,7 @@ class _TorchPiecesCopier(_Copier):
         parts: list[tuple[Any, Any]] = []
         for batch in batches:
             for dst, src in batch:
-                _contiguous_parts(dst, src, parts)
+                contiguous_parts(dst, src, parts)
         for dst, src in parts:
             assert dst.is_contiguous()
             assert src.is_contiguous()
@@ -89,7 +89,7 @@ class TestTorchViewsInContiguousPieces(DeviceTransferSuite):
         return _ThreadedTransfer(layout, kv, views, _TorchPiecesCopier())
 
 
-class _BrokenCopier(_CpuCopier):
+class _BrokenCopier(CpuCopier):
     """A copier whose hardware fails half way (the seam every backend plugs into)."""
 
     def run(
@@ -116,7 +116,7 @@ async def test_a_failing_copy_is_a_typed_error_with_its_cause() -> None:
     await xfer.aclose()
 
 
-class _DeferredCopier(_CpuCopier):
+class _DeferredCopier(CpuCopier):
     """Copies like the CPU backend but reports completion later, the way a stream
     and its event do: exercises the waiter thread the CUDA backend relies on."""
 
@@ -210,7 +210,7 @@ async def test_tensors_by_name_and_backend_choice() -> None:
         open_device_transfer(layout, kv, host.views, backend="tpu")  # type: ignore[arg-type]
 
 
-class _PoisonedCopier(_CpuCopier):
+class _PoisonedCopier(CpuCopier):
     """Splits every request over helpers and slips one unwritable piece into a batch."""
 
     def __init__(self) -> None:
