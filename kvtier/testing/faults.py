@@ -56,6 +56,7 @@ from typing import Final, NoReturn, TypeVar
 import numpy as np
 
 from kvtier.errors import InvalidArgumentError, TierIOError, TransferError
+from kvtier.testing.io_engine import _trim
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.device import BlockIds, DeviceTransfer, TransferStatistics
 from kvtier.transfer.io_engine import IOEngine
@@ -275,18 +276,6 @@ class FaultyDeviceTransfer(DeviceTransfer):
 
 
 # -- helpers ----------------------------------------------------------------------------
-
-
-def _trim(views: list[memoryview], nbytes: int) -> list[memoryview]:
-    """``views`` without their last ``nbytes`` bytes."""
-    out = list(views)
-    while nbytes and out:
-        last = out.pop()
-        if last.nbytes > nbytes:
-            out.append(last[: last.nbytes - nbytes])
-            break
-        nbytes -= last.nbytes
-    return out
 
 
 def _resolved(value: int) -> Completion[int]:

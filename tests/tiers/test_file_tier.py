@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import mmap
@@ -30,6 +29,7 @@ from kvtier.errors import (
     TierIOError,
 )
 from kvtier.layout import KVLayout, TensorSpec
+from kvtier.testing.filesystems import refusing_direct_io_dir
 from kvtier.testing.io_engine import FaultyEngine, aligned_buffer, cancel_one_awaiter
 from kvtier.tiers._format import HEADER_BYTES
 from kvtier.tiers.file_tier import FileTier
@@ -437,48 +437,11 @@ async def test_symlinked_fanout_directory_refused(open_tier: OpenTier, tmp_path:
 # -- O_DIRECT refusal -------------------------------------------------------------------
 
 
-def _refuses_direct(directory: str) -> bool:
-    probe = os.path.join(directory, f"kvtier-direct-probe-{os.getpid()}")
-    try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(probe)
-        return True
-    os.close(fd)
-    os.unlink(probe)
-    return False
-
-
 @pytest.fixture
 def refusing_dir(tmp_path: Path) -> Iterator[Path]:
-    """A directory on a filesystem that refuses O_DIRECT.
-
-    /dev/shm (tmpfs) where it refuses; tmpfs accepts O_DIRECT since Linux 6.6,
-    so otherwise a ramfs (which never supports it) mounted for the test.
-    """
-    if os.path.isdir("/dev/shm") and _refuses_direct("/dev/shm"):
-        root = Path(f"/dev/shm/kvtier-test-{os.getpid()}-{tmp_path.name}")
-        try:
-            yield root
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-        return
-    mnt = tmp_path / "ramfs"
-    mnt.mkdir()
-    mount = shutil.which("mount")
-    proc = subprocess.run(
-        [mount or "mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True, check=False
-    )
-    if mount is None or proc.returncode != 0:
-        pytest.skip(
-            "no filesystem refusing O_DIRECT: /dev/shm accepts it (tmpfs does since Linux "
-            "6.6) and a ramfs cannot be mounted here (needs CAP_SYS_ADMIN)"
-        )
-    try:
-        yield mnt / "tier"
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+    """A directory on a filesystem that refuses O_DIRECT (see kvtier.testing.filesystems)."""
+    with refusing_direct_io_dir(tmp_path) as root:
+        yield root
 
 
 async def test_direct_io_refused(open_tier: OpenTier, refusing_dir: Path) -> None:
