@@ -615,12 +615,22 @@ class Engine:
         return out
 
     async def flush(self) -> None:
-        """Wait until every file write started so far has finished (or failed).
+        """Wait until all work started so far has finished (or failed).
+
+        That is every device copy, promotion and file write, including those
+        of tasks that were cancelled while awaiting :meth:`store` or
+        :meth:`load`.
 
         Raises
         ------
         ClosedError
             After :meth:`aclose`.
+
+        Notes
+        -----
+        After cancelling a load, the device blocks it named may still be
+        written until its copy finishes: await ``flush()`` before handing
+        those blocks to other work.
         """
         self._check_open()
         while True:
@@ -629,7 +639,9 @@ class Engine:
             # waiting on those would spin without ever letting the callback run.
             # Stores in flight start more file writes when their copy completes.
             jobs = {j.done for j in self._inflight.values()}
-            pending = [c for c in (*self._file_writes, *jobs) if not c.done()]
+            pending = [
+                c for c in (*self._file_writes, *jobs, *self._pending) if not c.done()
+            ]
             if not pending:
                 return
             for c in pending:
@@ -675,7 +687,8 @@ class Engine:
         Notes
         -----
         Every block read is pinned until the copy reading it has finished, also
-        when the awaiting task is cancelled.
+        when the awaiting task is cancelled. A cancelled load's copy still runs
+        to its end and writes the device blocks: :meth:`flush` waits for it.
         """
         self._check_open()
         check_keys(keys)

@@ -326,3 +326,21 @@ async def test_budget_below_one_row(tmp_path: Path) -> None:
     with pytest.raises(kvtier.CapacityError):
         await Engine.open(KVTierConfig(cpu_bytes_to_use=100), layout, kv)
 
+
+
+async def test_flush_waits_for_the_copy_of_a_cancelled_load(tmp_path: Path) -> None:
+    async with engine_for(tmp_path, file_rows=None) as (engine, kv):
+        keys = keys_for(engine, 8)
+        fill(kv, list(range(8)), seed=11)
+        want = snapshot(kv, list(range(8)))
+        await engine.store(keys, list(range(8)))
+        task = asyncio.ensure_future(engine.load(keys, list(range(20, 28))))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await engine.flush()
+        # The copy ran to its end: the device blocks hold the stored bytes now,
+        # and nothing is in flight or pinned any more.
+        assert same(snapshot(kv, list(range(20, 28))), want)
+        assert_quiescent(engine)
