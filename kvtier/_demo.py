@@ -86,6 +86,13 @@ def _fill_value(key: bytes, sub: int) -> int:
     return (key[0] + 31 * sub) % 251 + 1
 
 
+def _fill_values(keys: list[bytes], bpc: int) -> torch.Tensor:
+    """:func:`_fill_value` of every sub-block of ``keys``, in device-block order."""
+    return torch.tensor(
+        [_fill_value(k, sub) for k in keys for sub in range(bpc)], dtype=torch.uint8
+    )
+
+
 class _DeviceBlocks:
     """A free list of chunk-aligned device block runs, and the waits for them."""
 
@@ -163,20 +170,22 @@ async def run_demo(
                 try:
                     hits = engine.lookup(keys)
                     loaded = await engine.load(keys[:hits], ids[: hits * bpc]) if hits else 0
-                    for i, key in enumerate(keys[:loaded]):
-                        for sub in range(bpc):
-                            block = ids[i * bpc + sub]
-                            want = _fill_value(key, sub)
-                            ok = all(bool((v[:, block] == want).all()) for v in views)
-                            report.blocks_verified += 1
-                            report.blocks_wrong += not ok
-                    for i, key in enumerate(keys[loaded:], start=loaded):
+                    if loaded:
+                        # One vectorized check per layer of every loaded sub-block.
+                        got_ids = torch.tensor(ids[: loaded * bpc])
+                        want = _fill_values(keys[:loaded], bpc).view(1, -1, 1)
+                        ok = torch.ones(loaded * bpc, dtype=torch.bool)
+                        for v in views:
+                            ok &= (v[:, got_ids] == want).all(dim=2).all(dim=0)
+                        report.blocks_verified += loaded * bpc
+                        report.blocks_wrong += int((~ok).sum())
+                    if loaded < len(keys):
                         # "prefill": content derived from the key, as a model would
                         # deterministically produce the same KV for the same prefix
-                        for sub in range(bpc):
-                            block = ids[i * bpc + sub]
-                            for v in views:
-                                v[:, block].fill_(_fill_value(key, sub))
+                        new_ids = torch.tensor(ids[loaded * bpc : len(keys) * bpc])
+                        values = _fill_values(keys[loaded:], bpc).view(1, -1, 1)
+                        for v in views:
+                            v[:, new_ids] = values.expand(2, -1, v.shape[2])
                     report.blocks_computed += len(keys) - loaded
                     await engine.store(keys, ids)
                     report.requests += 1

@@ -82,7 +82,11 @@ def _demo_table(report: DemoReport) -> Table:
     st = report.stats
     if st is None:
         raise RuntimeError("the demo ended without engine statistics")
-    table = Table(title="kvtier demo: simulated serving loop (CPU stands in for the GPU)")
+    table = Table(
+        title="kvtier demo: simulated serving loop (CPU stands in for the GPU)",
+        caption="GB/s: bytes over the time the tier had work in flight, in a loop busy "
+        "simulating a model; `kvtier bench` measures tier throughput",
+    )
     table.add_column("measure")
     table.add_column("value", justify="right")
     req = max(report.blocks_requested, 1)
