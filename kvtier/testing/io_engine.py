@@ -111,6 +111,19 @@ class IOEngineSuite:
         assert dst[:PAGE] == bytes(PAGE)
         del view, dview
 
+    async def test_buffers_are_released_when_the_request_is_done(
+        self, engine: IOEngine, direct_fd: int
+    ) -> None:
+        # A caller may unmap its memory right after the await: the engine must
+        # hold no export of it by then (a worker keeping its last job did).
+        for write in (True, False):
+            buf = aligned_buffer(2 * PAGE)
+            view = memoryview(buf)
+            call = engine.writev if write else engine.readv
+            assert await call(direct_fd, [view[:PAGE], view[PAGE:]], 0) == 2 * PAGE
+            view.release()
+            buf.close()  # BufferError while an export is alive
+
     async def test_short_read_at_end_of_file(self, engine: IOEngine, direct_fd: int) -> None:
         buf = aligned_buffer(4 * PAGE)
         view = memoryview(buf)

@@ -361,45 +361,139 @@ def suggested_queue_depth(block_bytes: int, *, limit: int = 32) -> int:
 _probe_result: list[str | None] = []
 
 
+# Run in a child interpreter by probe_io_uring: every binding call the engine
+# makes, on a real file, so that a binding which kills its process (the
+# liburing 2026.3 wheels are built with AVX-512 instructions and die with SIGILL
+# on CPUs without them) kills only the child. Prints "ok" or why not.
+_CHILD_PROBE = r"""
+import os, sys, tempfile
+try:
+    import liburing as L
+except ImportError as exc:
+    sys.stdout.write(f"the liburing package cannot be imported ({exc})")
+    raise SystemExit(0)
+ops = L.probe() or {}
+wanted = ("IORING_OP_READV", "IORING_OP_WRITEV", "IORING_OP_FSYNC")
+missing = [op for op in wanted if not ops.get(op)]
+if missing:
+    sys.stdout.write(f"kernel io_uring lacks {', '.join(missing)}")
+    raise SystemExit(0)
+ring = L.Ring()
+try:
+    L.io_uring_queue_init(4, ring)
+except OSError as exc:
+    # EPERM: seccomp or io_uring_disabled; ENOSYS: kernel built without it.
+    sys.stdout.write(f"io_uring setup failed: {exc}")
+    raise SystemExit(0)
+fd, path = tempfile.mkstemp(prefix="kvtier-probe-")
+try:
+    os.unlink(path)
+    out, back = bytearray(b"kvtier" * 100), bytearray(600)
+    for step, prep in enumerate((L.io_uring_prep_writev, L.io_uring_prep_readv)):
+        sqe = L.io_uring_get_sqe(ring)
+        prep(sqe, fd, L.Iovec([memoryview(out if step == 0 else back)]), 1, 0)
+        L.io_uring_sqe_set_data64(sqe, 7)
+        L.io_uring_submit(ring)
+        cqe = L.Cqe()
+        L.io_uring_wait_cqe(ring, cqe)
+        entry = cqe[0]
+        try:
+            res = entry.res
+        finally:
+            L.io_uring_cqe_seen(ring, entry)
+        if res != 600:
+            sys.stdout.write(f"io_uring probe transfer moved {res} of 600 bytes")
+            raise SystemExit(0)
+    if back != out:
+        sys.stdout.write("io_uring probe read back other bytes than it wrote")
+        raise SystemExit(0)
+finally:
+    os.close(fd)
+    L.io_uring_queue_exit(ring)
+sys.stdout.write("ok")
+"""
+
+
+def _probe_child() -> str | None:
+    """Exercise the binding in a child interpreter; None when it worked, else why not."""
+    import signal
+    import subprocess
+    import sys
+
+    if not sys.executable:
+        return None  # embedded without an interpreter to start: trust the in-process probe
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"the io_uring probe process failed: {exc}"
+    if proc.returncode < 0:
+        try:
+            name = signal.Signals(-proc.returncode).name
+        except ValueError:
+            name = f"signal {-proc.returncode}"
+        hint = (
+            " (its wheel uses CPU instructions this machine lacks, e.g. AVX-512)"
+            if name == "SIGILL"
+            else ""
+        )
+        return f"the liburing binding crashed the probe process with {name}{hint}"
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"the io_uring probe process failed: {tail}"
+    return None if proc.stdout == "ok" else (proc.stdout or "the io_uring probe said nothing")
+
+
 def probe_io_uring() -> str | None:
     """Whether io_uring works here: ``None`` if it does, else the reason it does not.
 
-    Sets up a small ring and runs a no-op through it. The answer is computed
-    once per process.
+    First in a child interpreter (a binding that crashes its process must not
+    take the caller's down with it: the liburing 2026.3 wheels die with
+    SIGILL on CPUs without AVX-512), then in this process, which also checks
+    the binding's ``Iovec`` layout that the zero-copy path relies on. The
+    answer is computed once per process.
     """
     if _probe_result:
         return _probe_result[0]
+    reason = _probe_child()
+    if reason is None:
+        reason = _probe_in_process()
+    _probe_result.append(reason)
+    return reason
+
+
+def _probe_in_process() -> str | None:
     reason: str | None
     try:
         import liburing as L  # type: ignore[import-untyped]
 
-        ops = L.probe() or {}
-        missing = [op for op in ("IORING_OP_READV", "IORING_OP_WRITEV") if not ops.get(op)]
-        if missing:
-            reason = f"kernel io_uring lacks {', '.join(missing)}"
-        else:
-            ring = L.Ring()
-            L.io_uring_queue_init(2, ring)
+        ring = L.Ring()
+        L.io_uring_queue_init(2, ring)
+        try:
+            sqe = L.io_uring_get_sqe(ring)
+            if sqe is None:
+                raise OSError(0, "no submission entry")
+            L.io_uring_prep_nop(sqe)
+            L.io_uring_submit(ring)
+            cqe = L.Cqe()
+            L.io_uring_wait_cqe(ring, cqe)
+            entry = cqe[0]
             try:
-                sqe = L.io_uring_get_sqe(ring)
-                if sqe is None:
-                    raise OSError(0, "no submission entry")
-                L.io_uring_prep_nop(sqe)
-                L.io_uring_submit(ring)
-                cqe = L.Cqe()
-                L.io_uring_wait_cqe(ring, cqe)
-                entry = cqe[0]
-                try:
-                    _ = entry.res if entry is not None else None
-                finally:
-                    if entry is not None:
-                        L.io_uring_cqe_seen(ring, entry)
+                _ = entry.res if entry is not None else None
             finally:
-                L.io_uring_queue_exit(ring)
-            from kvtier.transfer.uring import _IovecPool
+                if entry is not None:
+                    L.io_uring_cqe_seen(ring, entry)
+        finally:
+            L.io_uring_queue_exit(ring)
+        from kvtier.transfer.uring import _IovecPool
 
-            _IovecPool()  # the binding layout the zero-copy path relies on
-            reason = None
+        _IovecPool()  # the binding layout the zero-copy path relies on
+        reason = None
     except ImportError as exc:
         reason = f"the liburing package cannot be imported ({exc})"
     except RuntimeError as exc:
@@ -407,7 +501,6 @@ def probe_io_uring() -> str | None:
     except OSError as exc:
         # EPERM: seccomp or io_uring_disabled; ENOSYS: kernel built without it.
         reason = f"io_uring setup failed: {exc}"
-    _probe_result.append(reason)
     return reason
 
 

@@ -22,6 +22,10 @@ from kvtier.transfer.io_engine import IOEngine
 __all__ = ["ThreadEngine"]
 
 
+def _done_already() -> int:
+    raise AssertionError("a thread I/O job ran twice")
+
+
 class _Job:
     """One request: run in a worker, resolved on the loop."""
 
@@ -55,10 +59,14 @@ class _Job:
             self.engine._finished(self, res, None)
 
     def resolve(self, res: int, exc: OSError | None) -> None:
+        # Let go of the caller's buffers before the caller hears of it: a worker
+        # thread keeps its last job until its next one, and a caller that closes
+        # its mmap after the await must not find an export still alive.
+        views, self.views, self.call = self.views, [], _done_already
         if exc is None:
             self.done.set_result(res)
             return
-        nbytes = sum(v.nbytes for v in self.views)
+        nbytes = sum(v.nbytes for v in views)
         self.done.set_exception(
             TierIOError(
                 exc.errno or 0,

@@ -33,6 +33,42 @@ async def test_auto_picks_io_uring_where_it_works() -> None:
         await eng.aclose()
 
 
+async def test_io_uring_by_name_fails_clearly_where_unavailable() -> None:
+    if _NO_URING is None:
+        pytest.skip("io_uring works here: the unavailable path cannot be reached")
+    with pytest.raises(TierIOError, match="io_uring is unavailable"):
+        await open_io_engine("io_uring")
+
+
+@pytest.mark.parametrize(
+    ("script", "expected"),
+    [
+        (
+            "import os, signal; os.kill(os.getpid(), signal.SIGILL)",
+            "crashed the probe process with SIGILL",
+        ),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", "with SIGSEGV"),
+        ("raise SystemExit(3)", "probe process failed"),
+        ("import sys; sys.stdout.write('kernel io_uring lacks X')", "kernel io_uring lacks X"),
+        ("import sys; sys.stdout.write('ok')", None),
+    ],
+    ids=["sigill", "sigsegv", "exit-code", "reason", "ok"],
+)
+def test_probe_survives_a_binding_that_kills_its_process(
+    monkeypatch: pytest.MonkeyPatch, script: str, expected: str | None
+) -> None:
+    """The binding runs in a real child process: its crash is a reason, not the caller's death."""
+    from kvtier.transfer import io_engine
+
+    monkeypatch.setattr(io_engine, "_CHILD_PROBE", script)
+    reason = io_engine._probe_child()
+    if expected is None:
+        assert reason is None
+    else:
+        assert reason is not None
+        assert expected in reason
+
+
 @pytest.mark.parametrize("depth", [0, 5000], ids=["zero", "too-deep"])
 async def test_queue_depth_range(depth: int) -> None:
     with pytest.raises(InvalidArgumentError):
