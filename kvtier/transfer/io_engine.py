@@ -25,6 +25,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -361,61 +362,56 @@ def suggested_queue_depth(block_bytes: int, *, limit: int = 32) -> int:
 _probe_result: list[str | None] = []
 
 
-# Run in a child interpreter by probe_io_uring: every binding call the engine
-# makes, on a real file, so that a binding which kills its process (the
-# liburing 2026.3 wheels are built with AVX-512 instructions and die with SIGILL
-# on CPUs without them) kills only the child. Prints "ok" or why not.
+# Run in a child interpreter by probe_io_uring, with the path of
+# kvtier/transfer/_ring.py as argv[1] (loaded alone: it needs only the standard
+# library, so the child starts in ~50 ms): a ring, an eventfd, one writev and
+# one readv on a real file. Whatever kills a process here (a seccomp profile
+# whose action is to kill, as some sandboxes use for io_uring_setup; a binding
+# built for another CPU, as the liburing 2026.3 wheels are, which die with
+# SIGILL without AVX-512) kills only the child. Prints "ok" or why not.
 _CHILD_PROBE = r"""
-import os, sys, tempfile
+import ctypes, importlib.util, os, struct, sys, tempfile
+spec = importlib.util.spec_from_file_location("kvtier_ring_probe", sys.argv[1])
+R = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(R)
 try:
-    import liburing as L
-except ImportError as exc:
-    sys.stdout.write(f"the liburing package cannot be imported ({exc})")
-    raise SystemExit(0)
-ops = L.probe() or {}
-wanted = ("IORING_OP_READV", "IORING_OP_WRITEV", "IORING_OP_FSYNC")
-missing = [op for op in wanted if not ops.get(op)]
-if missing:
-    sys.stdout.write(f"kernel io_uring lacks {', '.join(missing)}")
-    raise SystemExit(0)
-ring = L.Ring()
-try:
-    L.io_uring_queue_init(4, ring)
+    ring = R.Ring(4)
 except OSError as exc:
     # EPERM: seccomp or io_uring_disabled; ENOSYS: kernel built without it.
     sys.stdout.write(f"io_uring setup failed: {exc}")
     raise SystemExit(0)
+efd = os.eventfd(0)
 fd, path = tempfile.mkstemp(prefix="kvtier-probe-")
 try:
+    ring.register_eventfd(efd)
     os.unlink(path)
-    out, back = bytearray(b"kvtier" * 100), bytearray(600)
-    for step, prep in enumerate((L.io_uring_prep_writev, L.io_uring_prep_readv)):
-        sqe = L.io_uring_get_sqe(ring)
-        prep(sqe, fd, L.Iovec([memoryview(out if step == 0 else back)]), 1, 0)
-        L.io_uring_sqe_set_data64(sqe, 7)
-        L.io_uring_submit(ring)
-        cqe = L.Cqe()
-        L.io_uring_wait_cqe(ring, cqe)
-        entry = cqe[0]
-        try:
-            res = entry.res
-        finally:
-            L.io_uring_cqe_seen(ring, entry)
-        if res != 600:
-            sys.stdout.write(f"io_uring probe transfer moved {res} of 600 bytes")
+    out = ctypes.create_string_buffer(b"kvtier" * 100, 600)
+    back = ctypes.create_string_buffer(600)
+    for op, buf in ((R.OP_WRITEV, out), (R.OP_READV, back)):
+        iov = ctypes.create_string_buffer(struct.pack("@PN", ctypes.addressof(buf), 600))
+        ring.prep(op, fd, ctypes.addressof(iov), 1, 0, 7)
+        ring.submit()
+        os.eventfd_read(efd)
+        done = list(ring.reap())
+        if done != [(7, 600)]:
+            sys.stdout.write(f"io_uring probe transfer gave {done}, not [(7, 600)]")
             raise SystemExit(0)
-    if back != out:
+    if back.raw != out.raw:
         sys.stdout.write("io_uring probe read back other bytes than it wrote")
         raise SystemExit(0)
+except OSError as exc:
+    sys.stdout.write(f"io_uring probe failed: {exc}")
+    raise SystemExit(0)
 finally:
     os.close(fd)
-    L.io_uring_queue_exit(ring)
+    os.close(efd)
+    ring.close()
 sys.stdout.write("ok")
 """
 
 
 def _probe_child() -> str | None:
-    """Exercise the binding in a child interpreter; None when it worked, else why not."""
+    """Exercise io_uring in a child interpreter; None when it worked, else why not."""
     import signal
     import subprocess
     import sys
@@ -424,7 +420,7 @@ def _probe_child() -> str | None:
         return None  # embedded without an interpreter to start: trust the in-process probe
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", _CHILD_PROBE],
+            [sys.executable, "-c", _CHILD_PROBE, str(Path(__file__).with_name("_ring.py"))],
             capture_output=True,
             text=True,
             timeout=30,
@@ -437,12 +433,7 @@ def _probe_child() -> str | None:
             name = signal.Signals(-proc.returncode).name
         except ValueError:
             name = f"signal {-proc.returncode}"
-        hint = (
-            " (its wheel uses CPU instructions this machine lacks, e.g. AVX-512)"
-            if name == "SIGILL"
-            else ""
-        )
-        return f"the liburing binding crashed the probe process with {name}{hint}"
+        return f"the io_uring probe process was killed by {name} (a seccomp profile?)"
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return f"the io_uring probe process failed: {tail}"
@@ -452,10 +443,10 @@ def _probe_child() -> str | None:
 def probe_io_uring() -> str | None:
     """Whether io_uring works here: ``None`` if it does, else the reason it does not.
 
-    First in a child interpreter (a binding that crashes its process must not
-    take the caller's down with it: the liburing 2026.3 wheels die with
-    SIGILL on CPUs without AVX-512), then in this process, which also checks
-    the binding's ``Iovec`` layout that the zero-copy path relies on. The
+    First in a child interpreter (whatever kills a process there, such as a
+    seccomp profile that kills on ``io_uring_setup``, must not take the
+    caller's down with it), then in this process: a ring, one no-op, and the
+    ``struct iovec`` layout the zero-copy path relies on. The
     answer is computed once per process.
     """
     if _probe_result:
@@ -468,40 +459,28 @@ def probe_io_uring() -> str | None:
 
 
 def _probe_in_process() -> str | None:
-    reason: str | None
-    try:
-        import liburing as L  # type: ignore[import-untyped]
+    from kvtier.transfer._ring import OP_NOP, Ring
 
-        ring = L.Ring()
-        L.io_uring_queue_init(2, ring)
+    try:
+        ring = Ring(2)
         try:
-            sqe = L.io_uring_get_sqe(ring)
-            if sqe is None:
-                raise OSError(0, "no submission entry")
-            L.io_uring_prep_nop(sqe)
-            L.io_uring_submit(ring)
-            cqe = L.Cqe()
-            L.io_uring_wait_cqe(ring, cqe)
-            entry = cqe[0]
-            try:
-                _ = entry.res if entry is not None else None
-            finally:
-                if entry is not None:
-                    L.io_uring_cqe_seen(ring, entry)
+            ring.prep(OP_NOP, -1, 0, 0, 0, 1)
+            ring.submit()
+            ring.wait()
+            done = list(ring.reap())
         finally:
-            L.io_uring_queue_exit(ring)
+            ring.close()
+        if done != [(1, 0)]:
+            return f"io_uring no-op gave {done}, not [(1, 0)]"
         from kvtier.transfer.uring import _IovecPool
 
-        _IovecPool()  # the binding layout the zero-copy path relies on
-        reason = None
-    except ImportError as exc:
-        reason = f"the liburing package cannot be imported ({exc})"
+        _IovecPool()  # the struct iovec layout the zero-copy path relies on
     except RuntimeError as exc:
-        reason = str(exc)
+        return str(exc)
     except OSError as exc:
         # EPERM: seccomp or io_uring_disabled; ENOSYS: kernel built without it.
-        reason = f"io_uring setup failed: {exc}"
-    return reason
+        return f"io_uring setup failed: {exc}"
+    return None
 
 
 async def open_io_engine(kind: EngineKind = "auto", *, queue_depth: int = 32) -> IOEngine:

@@ -6,23 +6,13 @@ completion and resolves its :class:`~kvtier.transfer.completion.Completion`.
 Requests are queued in Python and submitted once per loop iteration, many
 entries per ``io_uring_enter``, never more than ``queue_depth`` in the kernel.
 
-Binding pitfalls handled here (the PyPI ``liburing`` package):
-
-* ``prep_read`` / ``prep_write`` take ``bytes``; ``Iovec`` with ``prep_readv`` /
-  ``prep_writev`` reads and writes any buffer in place, which is what lets a
-  CPU-region row go to disk without a copy.
-* ``Iovec([...])`` takes a buffer export of every item and never releases it
-  (measured with binding 2026.3.30: an ``mmap`` given to it can never be closed
-  again). So ``Iovec`` objects are built once over an immutable ``bytes``
-  placeholder (bytes count no exports), pooled, and their C ``iovec`` array is
-  rewritten with each request's addresses (:class:`_IovecPool`). The layout
-  this relies on is checked when the pool is created; the request's own
-  memoryviews hold the caller's buffers (a real, released export) until the
-  kernel is done.
-* A negative result raises ``OSError`` when ``.res`` is read: the entry is
-  marked seen in a ``finally`` or the ring would hand it back forever.
-* ``Cqe[i]`` for ``i > 0`` is not masked by the ring size: entries are reaped
-  one at a time through ``cqe[0]``.
+The ring is kvtier's own (:mod:`kvtier.transfer._ring`: the system calls
+through ctypes, the queues through mmap), not a binding's: the PyPI
+``liburing`` wheels die with SIGILL on CPUs without AVX-512 and keep a buffer
+export of every ``Iovec`` item forever. Each request's ``struct iovec`` array
+lives in a pooled ctypes buffer, rewritten with one ``struct.pack_into`` per
+request; the request's own memoryviews hold the caller's buffers exported (so
+they cannot be unmapped) until its completion is reaped.
 """
 
 from __future__ import annotations
@@ -37,84 +27,53 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-import liburing as L  # type: ignore[import-untyped]  # no py.typed; its .pyi does not parse
-import numpy as np
-
 from kvtier.errors import ClosedError, TierIOError
+from kvtier.transfer._ring import OP_FSYNC, OP_READV, OP_WRITEV, Ring
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine, buffer_address
 
 __all__ = ["UringEngine"]
 
 _READ, _WRITE, _FSYNC = 0, 1, 2
-_PLACEHOLDER = bytes(1)
+_OPCODE = (OP_READV, OP_WRITEV, OP_FSYNC)
 
 
 class _CIovec(ctypes.Structure):
     _fields_ = (("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t))
 
 
-# PyOZ lays an ``Iovec`` out as the object header then ``{usize len; iovec *ptr}``.
-_LEN_AT = object.__basicsize__
-_PTR_AT = _LEN_AT + ctypes.sizeof(ctypes.c_size_t)
-
-
-_Pooled = tuple[Any, "ctypes.Array[ctypes.c_ubyte]", int]
-"""A pooled ``Iovec``: the binding's object, its C array as raw bytes, its length."""
+_Pooled = tuple["ctypes.Array[_CIovec]", int, int]
+"""A pooled ``struct iovec[n]``: the ctypes array, its address, ``n``."""
 
 
 class _IovecPool:
-    """Reusable ``Iovec`` objects whose C arrays are rewritten per request.
-
-    Raises
-    ------
-    RuntimeError
-        When the binding's ``Iovec`` layout is not the one this relies on
-        (a later binding release): the probe then reports io_uring unusable.
-    """
+    """Reusable ``struct iovec`` arrays, one per request in flight, by length."""
 
     def __init__(self) -> None:
         self._free: dict[int, list[_Pooled]] = {}
         self._packers: dict[int, struct.Struct] = {}
-        probe = L.Iovec([_PLACEHOLDER])
-        arr = (_CIovec * 1).from_address(self._array_address(probe, 1))
-        want = int(np.frombuffer(_PLACEHOLDER, np.uint8).ctypes.data)
-        if arr[0].iov_base != want or arr[0].iov_len != 1 or len(probe) != 1:
-            raise RuntimeError("liburing.Iovec has an unknown memory layout")
         if ctypes.sizeof(_CIovec) != struct.calcsize("@PN"):
             raise RuntimeError("struct iovec is not {void *, size_t} here")
-
-    @staticmethod
-    def _array_address(iov: Any, n: int) -> int:
-        if ctypes.c_size_t.from_address(id(iov) + _LEN_AT).value != n:
-            raise RuntimeError("liburing.Iovec has an unknown memory layout")
-        ptr = ctypes.c_void_p.from_address(id(iov) + _PTR_AT).value
-        if not ptr:
-            raise RuntimeError("liburing.Iovec has an unknown memory layout")
-        return int(ptr)
-
-    def _make(self, n: int) -> _Pooled:
-        iov = L.Iovec([_PLACEHOLDER] * n)
-        raw = (ctypes.c_ubyte * ctypes.sizeof(_CIovec * n)).from_address(
-            self._array_address(iov, n)
-        )
-        self._packers.setdefault(n, struct.Struct("@" + "PN" * n))
-        return iov, raw, n
 
     def take(self, views: list[memoryview]) -> _Pooled:
         n = len(views)
         free = self._free.get(n)
-        item = free.pop() if free else self._make(n)
+        if free:
+            item = free.pop()
+        else:
+            arr = (_CIovec * n)()
+            item = (arr, ctypes.addressof(arr), n)
+            self._packers.setdefault(n, struct.Struct("@" + "PN" * n))
         if n == 1:
             v = views[0]
-            self._packers[1].pack_into(item[1], 0, buffer_address(v), v.nbytes)
+            self._packers[1].pack_into(item[0], 0, buffer_address(v), v.nbytes)
         else:
             fields: list[int] = []
             for v in views:
                 fields += (buffer_address(v), v.nbytes)
             # One pack_into per request instead of two ctypes attribute sets
             # per buffer: this is on every request's path.
-            self._packers[n].pack_into(item[1], 0, *fields)
+            self._packers[n].pack_into(item[0], 0, *fields)
         return item
 
     def give(self, item: _Pooled) -> None:
@@ -134,7 +93,7 @@ class _Op:
     offset: int
     views: list[memoryview]
     completion: Completion[Any]
-    # The pooled Iovec in the kernel's hands; ``views`` keep the caller's buffers
+    # The pooled iovec array in the kernel's hands; ``views`` keep the caller's buffers
     # exported (they cannot be unmapped) until the completion is reaped.
     iov: _Pooled | None = field(default=None)
 
@@ -157,16 +116,17 @@ class UringEngine(IOEngine):
         super().__init__(queue_depth=queue_depth)
         self._loop = asyncio.get_running_loop()
         self._iovecs = _IovecPool()
-        self._ring = L.Ring()
-        entries = 1 << max(1, (queue_depth - 1).bit_length())
-        L.io_uring_queue_init(entries, self._ring)
-        self._cqe = L.Cqe()
-        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._ring = Ring(1 << max(1, (queue_depth - 1).bit_length()))
         try:
-            L.io_uring_register_eventfd(self._ring, self._efd)
+            self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        except BaseException:
+            self._ring.close()
+            raise
+        try:
+            self._ring.register_eventfd(self._efd)
         except BaseException:
             os.close(self._efd)
-            L.io_uring_queue_exit(self._ring)
+            self._ring.close()
             raise
         self._loop.add_reader(self._efd, self._on_eventfd)
         self._ops: dict[int, _Op] = {}
@@ -226,22 +186,16 @@ class UringEngine(IOEngine):
         queue = self._queue
         ops = self._ops
         prepared = 0
-        while queue and len(ops) < self._depth:
-            sqe = L.io_uring_get_sqe(ring)
-            if sqe is None:
-                break
+        room = min(ring.space(), self._depth - len(ops))
+        while queue and prepared < room:
             op = queue.popleft()
             ident = self._next_id
             self._next_id += 1
             if op.kind == _FSYNC:
-                L.io_uring_prep_fsync(sqe, op.fd)
+                ring.prep(OP_FSYNC, op.fd, 0, 0, 0, ident)
             else:
                 op.iov = item = self._iovecs.take(op.views)
-                if op.kind == _READ:
-                    L.io_uring_prep_readv(sqe, op.fd, item[0], op.offset)
-                else:
-                    L.io_uring_prep_writev(sqe, op.fd, item[0], op.offset)
-            L.io_uring_sqe_set_data64(sqe, ident)
+                ring.prep(_OPCODE[op.kind], op.fd, item[1], item[2], op.offset, ident)
             ops[ident] = op
             prepared += 1
         if not prepared:
@@ -250,7 +204,7 @@ class UringEngine(IOEngine):
 
     def _submit(self, prepared: int) -> None:
         try:
-            L.io_uring_submit(self._ring)
+            self._ring.submit()
         except OSError as exc:
             # The entries stay in the submission ring (nothing was consumed);
             # EAGAIN / EBUSY clear as the kernel frees resources, so retry shortly.
@@ -265,30 +219,17 @@ class UringEngine(IOEngine):
     def _on_eventfd(self) -> None:
         with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self._efd)
-        ring = self._ring
-        cqe = self._cqe
         ops = self._ops
-        reaped = 0
-        while L.io_uring_cq_ready(ring):
-            L.io_uring_peek_cqe(ring, cqe)
-            entry = cqe[0]
-            if entry is None:
-                break
-            err = 0
-            res = 0
-            try:
-                ident = entry.user_data
-                try:
-                    res = entry.res or 0
-                except OSError as exc:
-                    err = exc.errno or _errno.EIO
-            finally:
-                L.io_uring_cqe_seen(ring, entry)
-            reaped += 1
+        # The eventfd is read first: a completion posted while reaping either is
+        # reaped now or signals the eventfd again.
+        for ident, res in self._ring.reap():
             op = ops.pop(ident, None)
             if op is None:
                 continue
-            self._complete(op, res, err)
+            if res < 0:
+                self._complete(op, 0, -res)
+            else:
+                self._complete(op, res, 0)
         if self._queue:
             self._flush()
         if not ops and self._idle is not None and not self._idle.done():
@@ -327,9 +268,9 @@ class UringEngine(IOEngine):
         with contextlib.suppress(RuntimeError):
             self._loop.remove_reader(self._efd)
         try:
-            L.io_uring_unregister_eventfd(self._ring)
+            self._ring.unregister_eventfd()
         finally:
-            L.io_uring_queue_exit(self._ring)
+            self._ring.close()
             os.close(self._efd)
 
     def _occupancy(self) -> tuple[int, int]:

@@ -45,19 +45,19 @@ async def test_io_uring_by_name_fails_clearly_where_unavailable() -> None:
     [
         (
             "import os, signal; os.kill(os.getpid(), signal.SIGILL)",
-            "crashed the probe process with SIGILL",
+            "killed by SIGILL",
         ),
-        ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", "with SIGSEGV"),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", "killed by SIGSEGV"),
         ("raise SystemExit(3)", "probe process failed"),
         ("import sys; sys.stdout.write('kernel io_uring lacks X')", "kernel io_uring lacks X"),
         ("import sys; sys.stdout.write('ok')", None),
     ],
     ids=["sigill", "sigsegv", "exit-code", "reason", "ok"],
 )
-def test_probe_survives_a_binding_that_kills_its_process(
+def test_probe_survives_a_child_that_dies(
     monkeypatch: pytest.MonkeyPatch, script: str, expected: str | None
 ) -> None:
-    """The binding runs in a real child process: its crash is a reason, not the caller's death."""
+    """The probe runs io_uring in a real child process: its death is a reason, not ours."""
     from kvtier.transfer import io_engine
 
     monkeypatch.setattr(io_engine, "_CHILD_PROBE", script)

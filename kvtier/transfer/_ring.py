@@ -1,0 +1,298 @@
+"""A minimal io_uring ring: the three system calls through ctypes, the rings through mmap.
+
+Why not a binding: the PyPI ``liburing`` wheels (2026.3) are compiled with
+AVX-512 instructions and kill their process with SIGILL on CPUs without them,
+and their ``Iovec`` keeps buffer exports forever; what kvtier needs from
+io_uring is small (vectored reads and writes, fsync, an eventfd for
+completions), so it talks to the kernel directly. The kernel ABI used here is
+stable since Linux 5.1 (``IORING_FEAT_SINGLE_MMAP`` 5.4 is used when offered).
+
+Layout, from ``include/uapi/linux/io_uring.h``:
+
+* ``io_uring_setup(entries, params)`` returns a descriptor and fills the
+  offsets of the fields of the submission (SQ) and completion (CQ) rings.
+* The SQ ring's ``array`` maps ring positions to SQE indexes. It is filled once
+  with the identity, so the SQE for position ``p`` is ``sqes[p & mask]``.
+* An SQE is 64 bytes, a CQE 16 bytes; both are packed with :mod:`struct`.
+
+Memory ordering: the submitter writes SQEs, then the SQ tail, then enters the
+kernel, which reads them inside that system call on the same CPU, so program
+order is enough. Completions are read after the ``eventfd`` says there are
+some; on CPUs that may reorder loads (anything but x86), :meth:`Ring.reap`
+also enters the kernel between reading the CQ tail and reading the entries,
+since a plain Python load has no acquire semantics.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import struct
+from collections.abc import Iterator
+
+__all__ = ["OP_FSYNC", "OP_NOP", "OP_READV", "OP_WRITEV", "Ring"]
+
+# The io_uring system calls have these numbers on every architecture (they came
+# after the syscall tables were unified, in Linux 5.1).
+_SYS_SETUP, _SYS_ENTER, _SYS_REGISTER = 425, 426, 427
+
+OP_NOP, OP_READV, OP_WRITEV, OP_FSYNC = 0, 1, 2, 3
+_ENTER_GETEVENTS = 1
+_REGISTER_EVENTFD, _UNREGISTER_EVENTFD = 4, 5
+_FEAT_SINGLE_MMAP = 1
+_OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
+
+_SQE = struct.Struct("<BBHiQQIIQ24x")  # opcode flags ioprio fd off addr len rw_flags user_data
+_CQE = struct.Struct("<QiI")  # user_data res flags
+_SQE_BYTES, _CQE_BYTES = 64, 16
+
+# x86 keeps loads in order (TSO); elsewhere reap() inserts a system call.
+_ORDERED_LOADS = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+class _SqOffsets(ctypes.Structure):
+    _fields_ = (
+        ("head", ctypes.c_uint32),
+        ("tail", ctypes.c_uint32),
+        ("ring_mask", ctypes.c_uint32),
+        ("ring_entries", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("dropped", ctypes.c_uint32),
+        ("array", ctypes.c_uint32),
+        ("resv1", ctypes.c_uint32),
+        ("user_addr", ctypes.c_uint64),
+    )
+
+
+class _CqOffsets(ctypes.Structure):
+    _fields_ = (
+        ("head", ctypes.c_uint32),
+        ("tail", ctypes.c_uint32),
+        ("ring_mask", ctypes.c_uint32),
+        ("ring_entries", ctypes.c_uint32),
+        ("overflow", ctypes.c_uint32),
+        ("cqes", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("resv1", ctypes.c_uint32),
+        ("user_addr", ctypes.c_uint64),
+    )
+
+
+class _Params(ctypes.Structure):
+    _fields_ = (
+        ("sq_entries", ctypes.c_uint32),
+        ("cq_entries", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("sq_thread_cpu", ctypes.c_uint32),
+        ("sq_thread_idle", ctypes.c_uint32),
+        ("features", ctypes.c_uint32),
+        ("wq_fd", ctypes.c_uint32),
+        ("resv", ctypes.c_uint32 * 3),
+        ("sq_off", _SqOffsets),
+        ("cq_off", _CqOffsets),
+    )
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+
+def _check(ret: int, what: str) -> int:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return ret
+
+
+class Ring:
+    """One io_uring instance: submission and completion queues of ``entries``.
+
+    Parameters
+    ----------
+    entries
+        Submission queue size (the kernel rounds it up to a power of two);
+        the completion queue gets twice as many, as the kernel chooses.
+
+    Raises
+    ------
+    OSError
+        When the kernel refuses the ring (ENOSYS: built without io_uring;
+        EPERM: seccomp or ``kernel.io_uring_disabled``; ENOMEM).
+
+    Notes
+    -----
+    Not thread-safe: one thread (the event loop's) prepares, submits and reaps.
+    The caller keeps at most ``entries`` requests in flight, so the
+    completion queue (twice as deep) can never overflow.
+    """
+
+    def __init__(self, entries: int) -> None:
+        params = _Params()
+        self.fd = _check(
+            _syscall(ctypes.c_long(_SYS_SETUP), ctypes.c_long(entries), ctypes.byref(params)),
+            "io_uring_setup",
+        )
+        self._maps: list[mmap.mmap] = []
+        self._views: list[memoryview] = []
+        try:
+            self._map_rings(params)
+        except BaseException:
+            self.close()
+            raise
+
+    def _map_rings(self, p: _Params) -> None:
+        sq, cq = p.sq_off, p.cq_off
+        prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | mmap.MAP_POPULATE
+        sq_bytes = sq.array + p.sq_entries * 4
+        cq_bytes = cq.cqes + p.cq_entries * _CQE_BYTES
+        if p.features & _FEAT_SINGLE_MMAP:
+            sq_bytes = cq_bytes = max(sq_bytes, cq_bytes)
+        sq_map = mmap.mmap(self.fd, sq_bytes, flags, prot, offset=_OFF_SQ_RING)
+        self._maps.append(sq_map)
+        if p.features & _FEAT_SINGLE_MMAP:
+            cq_map = sq_map
+        else:
+            cq_map = mmap.mmap(self.fd, cq_bytes, flags, prot, offset=_OFF_CQ_RING)
+            self._maps.append(cq_map)
+        sqes = mmap.mmap(self.fd, p.sq_entries * _SQE_BYTES, flags, prot, offset=_OFF_SQES)
+        self._maps.append(sqes)
+        self._sq_words = memoryview(sq_map).cast("I")
+        self._cq_words = memoryview(cq_map).cast("I")
+        self._cq_bytes = memoryview(cq_map)
+        self._sqes = memoryview(sqes)
+        self._views += [self._sq_words, self._cq_words, self._cq_bytes, self._sqes]
+        self.sq_entries: int = p.sq_entries
+        self.cq_entries: int = p.cq_entries
+        self._sq_head, self._sq_tail = sq.head // 4, sq.tail // 4
+        self._sq_mask: int = self._sq_words[sq.ring_mask // 4]
+        self._cq_head, self._cq_tail = cq.head // 4, cq.tail // 4
+        self._cq_mask: int = self._cq_words[cq.ring_mask // 4]
+        self._cqes = cq.cqes
+        # Position p of the SQ ring always uses SQE p & mask: fill the
+        # indirection array once with the identity.
+        first = sq.array // 4
+        for i in range(p.sq_entries):
+            self._sq_words[first + i] = i
+        self._tail: int = self._sq_words[self._sq_tail]
+
+    # -- submission ------------------------------------------------------------------------
+
+    def space(self) -> int:
+        """Submission entries free now."""
+        return self.sq_entries - self.pending()
+
+    def prep(self, opcode: int, fd: int, addr: int, length: int, offset: int, tag: int) -> None:
+        """Write one submission entry (not yet visible to the kernel: see :meth:`submit`).
+
+        The caller checks :meth:`space` first. ``tag`` comes back with the completion.
+        """
+        index = self._tail & self._sq_mask
+        _SQE.pack_into(
+            self._sqes, index * _SQE_BYTES, opcode, 0, 0, fd, offset, addr, length, 0, tag
+        )
+        self._tail = (self._tail + 1) & 0xFFFFFFFF
+
+    def pending(self) -> int:
+        """Entries prepared or published that the kernel has not consumed yet."""
+        head: int = self._sq_words[self._sq_head]
+        return (self._tail - head) % (1 << 32)
+
+    def submit(self) -> int:
+        """Publish prepared entries and hand them to the kernel; returns how many it took.
+
+        Raises
+        ------
+        OSError
+            From ``io_uring_enter`` (EAGAIN, EBUSY: retry later; the entries
+            stay in the ring).
+        """
+        self._sq_words[self._sq_tail] = self._tail
+        n = self.pending()
+        if not n:
+            return 0
+        return self._enter(n, 0, 0)
+
+    def _enter(self, to_submit: int, min_complete: int, flags: int) -> int:
+        return _check(
+            _syscall(
+                ctypes.c_long(_SYS_ENTER),
+                ctypes.c_long(self.fd),
+                ctypes.c_long(to_submit),
+                ctypes.c_long(min_complete),
+                ctypes.c_long(flags),
+                None,
+                ctypes.c_long(0),
+            ),
+            "io_uring_enter",
+        )
+
+    # -- completion ------------------------------------------------------------------------
+
+    def reap(self) -> Iterator[tuple[int, int]]:
+        """Yield ``(tag, result)`` of every completion posted so far, oldest first.
+
+        A negative result is ``-errno``. Entries are released to the kernel as
+        they are read, so the iterator may be abandoned part way.
+        """
+        words = self._cq_words
+        head = words[self._cq_head]
+        while True:
+            tail = words[self._cq_tail]
+            if tail == head:
+                return
+            if not _ORDERED_LOADS:
+                self._enter(0, 0, _ENTER_GETEVENTS)  # a barrier between the tail and the entries
+            while head != tail:
+                offset = self._cqes + (head & self._cq_mask) * _CQE_BYTES
+                tag, res, _ = _CQE.unpack_from(self._cq_bytes, offset)
+                head = (head + 1) & 0xFFFFFFFF
+                words[self._cq_head] = head
+                yield tag, res
+
+    def wait(self) -> None:
+        """Block until at least one completion is posted (for probes and tests)."""
+        self._enter(0, 1, _ENTER_GETEVENTS)
+
+    # -- set-up ----------------------------------------------------------------------------
+
+    def register_eventfd(self, efd: int) -> None:
+        """Have the kernel signal ``efd`` for every completion posted."""
+        arg = ctypes.c_int32(efd)
+        _check(
+            _syscall(
+                ctypes.c_long(_SYS_REGISTER),
+                ctypes.c_long(self.fd),
+                ctypes.c_long(_REGISTER_EVENTFD),
+                ctypes.byref(arg),
+                ctypes.c_long(1),
+            ),
+            "io_uring_register(EVENTFD)",
+        )
+
+    def unregister_eventfd(self) -> None:
+        """Stop signalling the eventfd."""
+        _check(
+            _syscall(
+                ctypes.c_long(_SYS_REGISTER),
+                ctypes.c_long(self.fd),
+                ctypes.c_long(_UNREGISTER_EVENTFD),
+                None,
+                ctypes.c_long(0),
+            ),
+            "io_uring_register(UNREGISTER_EVENTFD)",
+        )
+
+    def close(self) -> None:
+        """Unmap the rings and close the descriptor (requests still in flight are cancelled)."""
+        for v in self._views:
+            v.release()
+        self._views.clear()
+        for m in self._maps:
+            m.close()
+        self._maps.clear()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
