@@ -56,9 +56,11 @@ _INDEX_BYTES_PER_ENTRY = 96
 def _check(keys: Sequence[bytes], what: str, *, distinct: bool = True) -> None:
     """Raise unless ``keys`` is a sequence of bytes keys, distinct unless told otherwise.
 
-    Two passes in C: ``join`` refuses what is not bytes-like, ``set`` what is
-    unhashable (bytearray) and counts duplicates. A caller that detects
-    duplicates on its own way passes ``distinct=False`` and skips the ``set``.
+    Two passes in C: the type of every key (exactly ``bytes``: a ``memoryview``
+    hashes and compares equal to the bytes it shows, so only the type keeps one
+    out of the index and out of plans), then ``set``, which counts duplicates.
+    A caller that detects duplicates on its own passes ``distinct=False`` and
+    skips the ``set``.
     """
     if (
         type(keys) is not list
@@ -68,13 +70,11 @@ def _check(keys: Sequence[bytes], what: str, *, distinct: bool = True) -> None:
         )
     ):
         raise InvalidArgumentError(f"{what}: keys must be a sequence of bytes, got {keys!r}")
-    try:
-        b"".join(keys)
-        if distinct and len(set(keys)) != len(keys):
-            raise InvalidArgumentError(f"{what}: duplicate keys in one call")
-    except TypeError:
+    if not _BYTES_ONLY.issuperset(map(type, keys)):
         bad = next(k for k in keys if type(k) is not bytes)
-        raise InvalidArgumentError(f"{what}: every key must be bytes, got {bad!r}") from None
+        raise InvalidArgumentError(f"{what}: every key must be bytes, got {bad!r}")
+    if distinct and len(set(keys)) != len(keys):
+        raise InvalidArgumentError(f"{what}: duplicate keys in one call")
 
 
 def _make_policy(policy: str | CachePolicy) -> CachePolicy:
@@ -318,10 +318,6 @@ class ResidencyManager:
             new = [k for k in new if k not in self]
         if not new:
             return _EMPTY_PLAN
-        if not _BYTES_ONLY.issuperset(map(type, new)):
-            # Only here do keys enter the manager: nothing but bytes may.
-            bad = next(k for k in new if type(k) is not bytes)
-            raise InvalidArgumentError(f"prepare_store: every key must be bytes, got {bad!r}")
         n = len(new)
         free = self._free
         unused = self._capacity - self._fresh
