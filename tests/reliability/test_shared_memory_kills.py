@@ -41,8 +41,17 @@ def test_random_kills_leave_no_shared_memory(report: dict[str, object]) -> None:
     for _ in range(CYCLES):
         name = f"rel-{uuid.uuid4().hex[:12]}"
         procs = [spawn(name, r, "hold") for r in range(WORLD)]
+        lines = [""] * WORLD  # what was read of each worker's output before the kill
         try:
-            time.sleep(rng.choice([0.0, rng.uniform(0.05, 1.5)]))
+            if rng.random() < 0.5:
+                # Kill once all have attached (each prints its report then), at
+                # a random moment after: on a loaded machine a fixed delay
+                # could end every cycle before the attach and test only half.
+                lines = [p.stdout.readline() if p.stdout else "" for p in procs]
+                assert all(line.startswith("{") for line in lines), lines
+                time.sleep(rng.uniform(0.0, 0.3))
+            else:
+                time.sleep(rng.choice([0.0, rng.uniform(0.0, 0.3)]))
             order = list(range(WORLD))
             rng.shuffle(order)
             for r in order:
@@ -53,8 +62,8 @@ def test_random_kills_leave_no_shared_memory(report: dict[str, object]) -> None:
                 p.kill()
                 p.wait(timeout=30)
         attached = 0
-        for p in procs:
-            out = p.stdout.read() if p.stdout else ""
+        for p, first in zip(procs, lines, strict=True):
+            out = first + (p.stdout.read() if p.stdout else "")
             attached += any(line.startswith("{") and "error" not in line
                             for line in out.splitlines())
             for stream in (p.stdout, p.stderr):

@@ -290,8 +290,13 @@ async def test_write_error_fails_that_block_only(
     faulty.inject("write", err=errno.ENOSPC)
     faulty.inject("write", short_by=4096)
     result = await tier.store(ks, Rows(3).fill(2).rows())
-    assert result.stored == (ks[2],)
-    enospc, short = result.failed[ks[0]], result.failed[ks[1]]
+    # Files are created on several threads, so which blocks reach the engine
+    # first (and meet the faults) varies; that each fails alone does not.
+    assert len(result.stored) == 1
+    assert len(result.failed) == 2
+    errors = list(result.failed.values())
+    enospc = next(e for e in errors if getattr(e, "errno", None) == errno.ENOSPC)
+    short = next(e for e in errors if e is not enospc)
     assert isinstance(enospc, TierIOError)
     assert enospc.errno == errno.ENOSPC
     assert isinstance(short, TierIOError)
@@ -302,7 +307,8 @@ async def test_write_error_fails_that_block_only(
     assert tier.statistics().blocks == 1
     assert tier.statistics().store_failures == 2
     # The tier keeps working, and the failed keys can be stored again.
-    assert (await tier.store(ks, Rows(3).fill(2).rows())).stored == tuple(ks[:2])
+    retried = tuple(k for k in ks if k not in result.stored)
+    assert (await tier.store(ks, Rows(3).fill(2).rows())).stored == retried
     faulty.inject("read", err=errno.EIO)
     result2 = await tier.load(ks, Rows(3).rows())
     eio = result2.missing[ks[0]]
@@ -587,14 +593,20 @@ async def test_engine_errors_are_typed_per_block(
     else:
         failed = dict((await tier.load(ks, Rows(2).rows())).missing)
         where = tier.path / "blocks"
-    assert list(failed) == [ks[0]]
-    exc = failed[ks[0]]
+    # Loads start in order; stores start as their files are created, on
+    # several threads, so the fault meets either key.
+    assert len(failed) == 1
+    if kind == "read":
+        assert list(failed) == [ks[0]]
+    (exc,) = failed.values()
     assert isinstance(exc, TierIOError)
     assert exc.errno == err
     assert (exc.path or "").startswith(str(where))
     # The other block went through, and the tier keeps working for the failed one.
-    assert ks[1] in tier
-    assert (await tier.store(ks[:1], pattern_rows(ks[:1]).rows())).stored == (ks[0],)
+    (bad,) = failed
+    (good,) = (k for k in ks if k != bad)
+    assert good in tier
+    assert (await tier.store([bad], pattern_rows([bad]).rows())).stored == (bad,)
     assert (await tier.load(ks, Rows(2).rows())).loaded == tuple(ks)
     await faulty.aclose()
 
