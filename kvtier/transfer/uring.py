@@ -203,6 +203,8 @@ class UringEngine(IOEngine):
         self._submit(prepared)
 
     def _submit(self, prepared: int) -> None:
+        if self._released:
+            return  # a retry scheduled before the ring was torn down
         try:
             self._ring.submit()
         except OSError as exc:
@@ -215,6 +217,10 @@ class UringEngine(IOEngine):
         self._submitted += prepared
         self._submit_calls += 1
         self._max_in_flight = max(self._max_in_flight, len(self._ops))
+        if self._ring.pending():
+            # The kernel took only some entries (it may, short of memory): the
+            # rest wait in the ring, and nothing else would submit them.
+            self._loop.call_later(0.001, self._submit, 0)
 
     def _on_eventfd(self) -> None:
         with contextlib.suppress(BlockingIOError):
