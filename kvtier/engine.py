@@ -92,6 +92,12 @@ class TierCounters:
         return self.bytes_out / self.seconds_out / 1e9 if self.seconds_out else 0.0
 
 
+_FLUSH_QUIET_ROUNDS = 8
+"""Loop iterations :meth:`Engine.flush` lets pass with nothing pending before it
+returns: more than the deepest chain of done callbacks in the engine (a file
+write's completion, its tier callback, the engine's wrapper, the unpin)."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStatistics:
     """A snapshot of every tier and of the engine's own counters."""
@@ -315,7 +321,9 @@ class Engine:
             file_tier = None
             if config.file_tier is not None:
                 file_tier = await FileTier.open(
-                    config.file_tier, layout, block_bytes=region.row_stride,
+                    config.file_tier,
+                    layout,
+                    block_bytes=region.row_stride,
                     alignment=min(region.alignment, _FILE_ALIGNMENT),
                     io_engine=io_engine,
                 )
@@ -633,25 +641,30 @@ class Engine:
         those blocks to other work.
         """
         self._check_open()
+        quiet = 0
         while True:
             # Only what is not done yet: awaiting a done completion does not yield,
             # and a done write leaves the set only when its callback has run, so
             # waiting on those would spin without ever letting the callback run.
             # Stores in flight start more file writes when their copy completes.
             jobs = {j.done for j in self._inflight.values()}
-            pending = [
-                c for c in (*self._file_writes, *jobs, *self._pending) if not c.done()
-            ]
-            if not pending:
+            pending = [c for c in (*self._file_writes, *jobs, *self._pending) if not c.done()]
+            if pending:
+                quiet = 0
+                for c in pending:
+                    await _settle(c)
+                continue
+            if quiet == _FLUSH_QUIET_ROUNDS:
                 return
-            for c in pending:
-                await _settle(c)
+            # A done completion's callbacks (which unpin rows and may start the
+            # next step) run on later loop iterations: the soak caught pins still
+            # held when flush returned. Each round lets one level of them run.
+            quiet += 1
+            await asyncio.sleep(0)
 
     # -- load ---------------------------------------------------------------------------
 
-    async def load(
-        self, keys: Sequence[bytes], device_block_ids: BlockIds, skip: int = 0
-    ) -> int:
+    async def load(self, keys: Sequence[bytes], device_block_ids: BlockIds, skip: int = 0) -> int:
         """Copy stored blocks to the device; return how many leading blocks arrived.
 
         Parameters
@@ -693,9 +706,7 @@ class Engine:
         self._check_open()
         check_keys(keys)
         if isinstance(skip, bool) or not isinstance(skip, int) or not 0 <= skip < self._bpc:
-            raise InvalidArgumentError(
-                f"skip must be an int in [0, {self._bpc}), got {skip!r}"
-            )
+            raise InvalidArgumentError(f"skip must be an int in [0, {self._bpc}), got {skip!r}")
         if skip and not keys:
             raise InvalidArgumentError("skip needs at least one key")
         ids = _check_ids(device_block_ids, len(keys) * self._bpc - skip, self._layout)
@@ -888,9 +899,7 @@ def _check_ids(ids: BlockIds, count: int, layout: KVLayout) -> _Ids:
         if arr.size and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
             raise InvalidArgumentError(f"device block ids{where} must be a flat int sequence")
         if arr.size != count:
-            raise InvalidArgumentError(
-                f"expected {count} device block ids{where}, got {arr.size}"
-            )
+            raise InvalidArgumentError(f"expected {count} device block ids{where}, got {arr.size}")
         if arr.size:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < 0 or hi >= layout.num_blocks:
