@@ -28,6 +28,7 @@ unit: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check kvtier tests benchmarks examples
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

@@ -23,8 +23,10 @@ def main(where: Path) -> int:
     runs = {f.stem: json.loads(f.read_text()) for f in files}
     total: Counter[str] = Counter()
     faults: Counter[str] = Counter()
-    print("| run | operations | faults injected | kill cycles | bad inputs | blocks verified "
-          "| blocks lost | wrong blocks served |")
+    print(
+        "| run | operations | faults injected | kill cycles | bad inputs | blocks verified "
+        "| blocks lost | wrong blocks served |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in runs.items():
         injected = r.get("faults_injected", {})
@@ -46,9 +48,21 @@ def main(where: Path) -> int:
     print()
     print("Faults injected by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(faults.items())))
     for name, r in runs.items():
-        extra = {k: v for k, v in r.items() if k not in {
-            "operations", "faults_injected", "crash_cycles", "shm_cycles", "blocks_verified",
-            "blocks_lost", "wrong_blocks_served", "bad_inputs_tried"}}
+        extra = {
+            k: v
+            for k, v in r.items()
+            if k
+            not in {
+                "operations",
+                "faults_injected",
+                "crash_cycles",
+                "shm_cycles",
+                "blocks_verified",
+                "blocks_lost",
+                "wrong_blocks_served",
+                "bad_inputs_tried",
+            }
+        }
         if extra:
             print(f"- {name}: " + ", ".join(f"{k} {v}" for k, v in sorted(extra.items())))
     return 0

@@ -162,8 +162,10 @@ async def main() -> int:
         f"torch threads {torch.get_num_threads()}, copier threads {args.threads or 'default'}; "
         f"region {results[0]['backing']}"
     )
-    print(f"{'bpc':>3} {'ids, rows':>11} {'torch copy':>10} {'store (ratio, range)':>27} "
-          f"{'load (ratio, range)':>27} {'copies/2MiB':>12}")
+    print(
+        f"{'bpc':>3} {'ids, rows':>11} {'torch copy':>10} {'store (ratio, range)':>27} "
+        f"{'load (ratio, range)':>27} {'copies/2MiB':>12}"
+    )
     for r in results:
         cells = []
         for what in ("store", "load"):
@@ -171,8 +173,10 @@ async def main() -> int:
             cells.append(
                 f"{r[f'{what}_gbps']:6.2f} GB/s {r[f'{what}_ratio']:.2f}x [{lo:.2f}-{hi:.2f}]"
             )
-        print(f"{r['blocks_per_chunk']:>3} {r['order']:>11} {r['contiguous_gbps']:>5.2f} GB/s "
-              f"{cells[0]:>27} {cells[1]:>27} {r['copies_per_offloaded_block']:>12.2f}")
+        print(
+            f"{r['blocks_per_chunk']:>3} {r['order']:>11} {r['contiguous_gbps']:>5.2f} GB/s "
+            f"{cells[0]:>27} {cells[1]:>27} {r['copies_per_offloaded_block']:>12.2f}"
+        )
     return 0
 
 

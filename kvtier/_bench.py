@@ -95,9 +95,7 @@ async def run_bench(
 ) -> list[BenchResult]:
     """Measure every (block size, queue depth) of ``settings``."""
     say = progress or (lambda _m: None)
-    with tempfile.TemporaryDirectory(
-        prefix="kvtier-bench-", dir=settings.directory
-    ) as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=settings.directory) as tmp:
         base = Path(tmp)
         results = []
         for block in settings.block_sizes:
@@ -122,8 +120,9 @@ async def run_bench(
                         say(f"{block >> 10} KiB blocks, depth {depth}: fio")
                         fio_w, fio_r = _fio(base / "fio.dat", block, depth, rows * block)
                     results.append(
-                        BenchResult(block, depth, memcpy, d2c, c2d, write, read, fio_w, fio_r,
-                                    engine)
+                        BenchResult(
+                            block, depth, memcpy, d2c, c2d, write, read, fio_w, fio_r, engine
+                        )
                     )
             finally:
                 region.close()
@@ -224,9 +223,18 @@ def _fio(path: Path, block: int, depth: int, nbytes: int) -> tuple[float | None,
     out: list[float | None] = []
     for rw in ("write", "read"):
         cmd = [
-            "fio", "--name=kvtier", f"--filename={path}", f"--rw={rw}", f"--bs={block}",
-            f"--iodepth={depth}", "--ioengine=io_uring", "--direct=1", f"--size={nbytes}",
-            "--iomem=mmap", "--output-format=json", "--loops=3",
+            "fio",
+            "--name=kvtier",
+            f"--filename={path}",
+            f"--rw={rw}",
+            f"--bs={block}",
+            f"--iodepth={depth}",
+            "--ioengine=io_uring",
+            "--direct=1",
+            f"--size={nbytes}",
+            "--iomem=mmap",
+            "--output-format=json",
+            "--loops=3",
         ]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)

@@ -129,7 +129,10 @@ async def run_demo(
         for _ in range(settings.layers)
     ]
     layout = KVLayout.from_tensors(
-        kv, model_id="kvtier-demo", block_tokens=16, blocks_per_chunk=settings.blocks_per_chunk,
+        kv,
+        model_id="kvtier-demo",
+        block_tokens=16,
+        blocks_per_chunk=settings.blocks_per_chunk,
         num_blocks=settings.device_blocks,
     )
     bpc = settings.blocks_per_chunk

@@ -93,13 +93,16 @@ def _demo_table(report: DemoReport) -> Table:
     cpu_hits = st.cpu_traffic.hits
     file_hits = 0 if st.file_traffic is None else st.file_traffic.hits
     cpu_in, cpu_out = st.cpu_traffic, st.cpu_traffic
-    table.add_row("requests / offloaded blocks asked",
-                  f"{report.requests} / {report.blocks_requested}")
+    table.add_row(
+        "requests / offloaded blocks asked", f"{report.requests} / {report.blocks_requested}"
+    )
     table.add_row("hit rate, CPU tier", f"{cpu_hits / req:.1%}")
     table.add_row("hit rate, file tier", f"{file_hits / req:.1%}")
-    table.add_row("blocks loaded (verified, wrong)",
-                  f"{report.blocks_loaded} ({report.blocks_verified} sub-blocks, "
-                  f"{report.blocks_wrong} wrong)")
+    table.add_row(
+        "blocks loaded (verified, wrong)",
+        f"{report.blocks_loaded} ({report.blocks_verified} sub-blocks, "
+        f"{report.blocks_wrong} wrong)",
+    )
     table.add_row("blocks computed (misses)", f"{report.blocks_computed}")
     table.add_row("device -> CPU", f"{_gib(cpu_in.bytes_in)} at {cpu_in.gbps_in:.2f} GB/s")
     table.add_row("CPU -> device", f"{_gib(cpu_out.bytes_out)} at {cpu_out.gbps_out:.2f} GB/s")
@@ -107,12 +110,16 @@ def _demo_table(report: DemoReport) -> Table:
         ft = st.file_traffic
         table.add_row("CPU -> file", f"{_gib(ft.bytes_in)} at {ft.gbps_in:.2f} GB/s")
         table.add_row("file -> CPU (promotions)", f"{_gib(ft.bytes_out)} at {ft.gbps_out:.2f} GB/s")
-    table.add_row("CPU evictions / file evictions",
-                  f"{st.cpu.evictions} / {0 if st.file is None else st.file.evictions}")
+    table.add_row(
+        "CPU evictions / file evictions",
+        f"{st.cpu.evictions} / {0 if st.file is None else st.file.evictions}",
+    )
     table.add_row("wall time", f"{report.seconds:.1f} s")
     saved = report.tokens_reused / report.prefill_tokens_per_s
-    table.add_row(f"recompute avoided at {report.prefill_tokens_per_s:,.0f} tok/s prefill",
-                  f"{report.tokens_reused:,} tokens = {saved:.1f} s of prefill")
+    table.add_row(
+        f"recompute avoided at {report.prefill_tokens_per_s:,.0f} tok/s prefill",
+        f"{report.tokens_reused:,} tokens = {saved:.1f} s of prefill",
+    )
     return table
 
 
@@ -160,16 +167,29 @@ def _bench(args: argparse.Namespace) -> int:
         return "" if not b else f" ({a / b:.2f}x)"
 
     table = Table(title="kvtier bench: GB/s (ratio to the machine's limit in the same run)")
-    for col in ("block", "depth", "memcpy", "device->CPU", "CPU->device", "fio write",
-                "CPU->file", "fio read", "file->CPU"):
+    for col in (
+        "block",
+        "depth",
+        "memcpy",
+        "device->CPU",
+        "CPU->device",
+        "fio write",
+        "CPU->file",
+        "fio read",
+        "file->CPU",
+    ):
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(
-            f"{r.block_bytes >> 10} KiB", str(r.queue_depth), gbs(r.memcpy),
+            f"{r.block_bytes >> 10} KiB",
+            str(r.queue_depth),
+            gbs(r.memcpy),
             gbs(r.device_to_cpu) + ratio(r.device_to_cpu, r.memcpy),
             gbs(r.cpu_to_device) + ratio(r.cpu_to_device, r.memcpy),
-            gbs(r.fio_write), gbs(r.cpu_to_file) + ratio(r.cpu_to_file, r.fio_write),
-            gbs(r.fio_read), gbs(r.file_to_cpu) + ratio(r.file_to_cpu, r.fio_read),
+            gbs(r.fio_write),
+            gbs(r.cpu_to_file) + ratio(r.cpu_to_file, r.fio_write),
+            gbs(r.fio_read),
+            gbs(r.file_to_cpu) + ratio(r.file_to_cpu, r.fio_read),
         )
     out = Console()
     if not out.is_terminal:  # a pipe or a file: do not squeeze the table into 80 columns
@@ -204,8 +224,15 @@ def _inspect(args: argparse.Namespace) -> int:
         table.add_column("bad", justify="right")
     for r in reports:
         d = r.as_dict()
-        row = [r.namespace, str(d["model_id"] or "?"), str(d["block_bytes"] or "?"),
-               str(r.blocks), _gib(r.bytes), str(r.temporaries), str(r.quarantined)]
+        row = [
+            r.namespace,
+            str(d["model_id"] or "?"),
+            str(d["block_bytes"] or "?"),
+            str(r.blocks),
+            _gib(r.bytes),
+            str(r.temporaries),
+            str(r.quarantined),
+        ]
         if args.verify:
             row += [str(r.verified), str(len(r.bad))]
         table.add_row(*row)
@@ -229,39 +256,70 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--turns", type=int, default=4)
     demo.add_argument("--concurrency", type=int, default=8)
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--prefill-rate", type=float, default=8000.0,
-                      help="assumed prefill tokens/s, for the recompute time avoided")
-    demo.add_argument("--root", type=Path, default=None,
-                      help="file tier root (default: a temporary directory)")
+    demo.add_argument(
+        "--prefill-rate",
+        type=float,
+        default=8000.0,
+        help="assumed prefill tokens/s, for the recompute time avoided",
+    )
+    demo.add_argument(
+        "--root", type=Path, default=None, help="file tier root (default: a temporary directory)"
+    )
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser(
         "bench", help="tier throughput beside memcpy and fio, measured in the same run"
     )
-    bench.add_argument("--block-size", type=_size, nargs="+", default=[256 << 10, 2 << 20],
-                       metavar="SIZE", help="offloaded block sizes (default: 256KiB 2MiB)")
-    bench.add_argument("--queue-depth", type=int, nargs="+", default=[4, 32], metavar="N",
-                       help="file tier queue depths (default: 4 32)")
-    bench.add_argument("--total", type=_size, default=256 << 20, metavar="SIZE",
-                       help="bytes moved per measurement (default: 256MiB)")
+    bench.add_argument(
+        "--block-size",
+        type=_size,
+        nargs="+",
+        default=[256 << 10, 2 << 20],
+        metavar="SIZE",
+        help="offloaded block sizes (default: 256KiB 2MiB)",
+    )
+    bench.add_argument(
+        "--queue-depth",
+        type=int,
+        nargs="+",
+        default=[4, 32],
+        metavar="N",
+        help="file tier queue depths (default: 4 32)",
+    )
+    bench.add_argument(
+        "--total",
+        type=_size,
+        default=256 << 20,
+        metavar="SIZE",
+        help="bytes moved per measurement (default: 256MiB)",
+    )
     bench.add_argument("--repeat", type=int, default=3, help="repeats; the median is shown")
     bench.add_argument("--io-engine", choices=["auto", "io_uring", "threads"], default="auto")
-    bench.add_argument("--dir", type=Path, default=None,
-                       help="directory for the file tier and fio (default: a temporary one)")
+    bench.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="directory for the file tier and fio (default: a temporary one)",
+    )
     bench.add_argument("--no-fio", action="store_true", help="do not run fio even if installed")
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
     bench.set_defaults(func=_bench)
 
     insp = sub.add_parser("inspect", help="what a file tier root holds")
     insp.add_argument("root", type=Path, help="the file tier root")
-    insp.add_argument("--verify", action="store_true",
-                      help="read every block file and check header, key and checksum")
+    insp.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every block file and check header, key and checksum",
+    )
     insp.add_argument("--json", action="store_true", help="print the report as JSON")
     insp.set_defaults(func=_inspect)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     try:
         status: int = args.func(args)
     except KVTierError as exc:

@@ -121,8 +121,21 @@ def test_bad_size_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_bench_measures_every_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "--block-size", "64KiB", "--queue-depth", "2", "--total", "2MiB",
-            "--repeat", "1", "--no-fio", "--json", "--dir", str(tmp_path)]
+    argv = [
+        "bench",
+        "--block-size",
+        "64KiB",
+        "--queue-depth",
+        "2",
+        "--total",
+        "2MiB",
+        "--repeat",
+        "1",
+        "--no-fio",
+        "--json",
+        "--dir",
+        str(tmp_path),
+    ]
     assert main(argv) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["block_bytes"] == 65536

@@ -57,7 +57,9 @@ class HostRows:
         buffer = torch.zeros(rows * stride, dtype=torch.uint8, pin_memory=pin)
         views = [
             torch.as_strided(
-                buffer, (rows, t.bytes_per_block * layout.blocks_per_chunk), (stride, 1),
+                buffer,
+                (rows, t.bytes_per_block * layout.blocks_per_chunk),
+                (stride, 1),
                 layout.tensor_offset(i),
             )
             for i, t in enumerate(layout.tensors)
@@ -95,7 +97,11 @@ def _random_kv(name: str, seed: int, device: str) -> list[torch.Tensor]:
 
 def _layout(name: str, kv: list[torch.Tensor], bpc: int) -> KVLayout:
     return KVLayout.from_tensors(
-        kv, model_id="suite", block_tokens=4, blocks_per_chunk=bpc, num_blocks=NUM_BLOCKS,
+        kv,
+        model_id="suite",
+        block_tokens=4,
+        blocks_per_chunk=bpc,
+        num_blocks=NUM_BLOCKS,
         groups=[g for _s, _d, g in SHAPES[name]],
     )
 
@@ -185,9 +191,7 @@ class DeviceTransferSuite:
             assert bytes(host.row(row)[: layout.bytes_per_chunk].numpy()) == want
         await xfer.aclose()
 
-    async def test_consecutive_blocks_coalesce_into_one_copy_per_tensor(
-        self, opened: Any
-    ) -> None:
+    async def test_consecutive_blocks_coalesce_into_one_copy_per_tensor(self, opened: Any) -> None:
         xfer, layout, _kv, _host = opened("kv-first", 2)
         n = len(layout.tensors)  # both K/V-first
         await xfer.store(np.arange(2, 12), [3, 4, 5, 6, 7])
@@ -216,8 +220,20 @@ class DeviceTransferSuite:
             (lambda x: x.load([0, 1], [0, 1, 2]), "expected 4"),
             (lambda x: x.load([], [], skip=1), "skip"),
         ],
-        ids=["count", "dup-rows", "id-range", "negative", "row-range", "float", "group",
-             "skip-big", "skip-neg", "dup-ids", "load-count", "skip-without-rows"],
+        ids=[
+            "count",
+            "dup-rows",
+            "id-range",
+            "negative",
+            "row-range",
+            "float",
+            "group",
+            "skip-big",
+            "skip-neg",
+            "dup-ids",
+            "load-count",
+            "skip-without-rows",
+        ],
     )
     async def test_bad_requests_raise_before_anything_is_queued(
         self, opened: Any, call: Any, message: str

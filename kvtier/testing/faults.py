@@ -183,8 +183,8 @@ class FaultyIOEngine(IOEngine):
             return failed
         if kind in ("short_read", "short_write"):
             cut = min(self._plan.chunk, total)
-            return call(fd, _trim(views, cut), offset, alignment=1) if cut < total else (
-                _resolved(0)
+            return (
+                call(fd, _trim(views, cut), offset, alignment=1) if cut < total else (_resolved(0))
             )
         if kind == "torn_write":
             # The first half of the bytes lands; the rest of the range is written

@@ -711,4 +711,3 @@ class _ThreadedTransfer(DeviceTransfer):
         for th in threads:
             await asyncio.to_thread(th.join)
         await asyncio.to_thread(self._copier.close)
-

@@ -327,7 +327,6 @@ async def test_budget_below_one_row(tmp_path: Path) -> None:
         await Engine.open(KVTierConfig(cpu_bytes_to_use=100), layout, kv)
 
 
-
 async def test_flush_waits_for_the_copy_of_a_cancelled_load(tmp_path: Path) -> None:
     async with engine_for(tmp_path, file_rows=None) as (engine, kv):
         keys = keys_for(engine, 8)

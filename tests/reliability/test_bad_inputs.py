@@ -193,18 +193,30 @@ def tensor_rows() -> list[Row]:
 
     return [
         ("tensor-wrong-dtype", kv_with(lambda kv: [t.float() for t in kv]), LayoutError),
-        ("tensor-wrong-shape", kv_with(lambda kv: [t[:, :, :2].contiguous() for t in kv]),
-         LayoutError),
-        ("tensor-non-contiguous", kv_with(lambda kv: [t.transpose(2, 3) for t in kv]),
-         LayoutError),
+        (
+            "tensor-wrong-shape",
+            kv_with(lambda kv: [t[:, :, :2].contiguous() for t in kv]),
+            LayoutError,
+        ),
+        ("tensor-non-contiguous", kv_with(lambda kv: [t.transpose(2, 3) for t in kv]), LayoutError),
         ("tensor-missing", kv_with(lambda kv: kv[:1]), LayoutError),
-        ("tensor-fewer-blocks", kv_with(lambda kv: [t[:, :10].contiguous() for t in kv]),
-         LayoutError),
-        ("layout-mixed-devices",
-         lambda ctx: asyncio.sleep(0, KVLayout.from_tensors(
-             [make_kv()[0], torch.empty(2, NUM_BLOCKS, 4, 128, device="meta")],
-             model_id="m", block_tokens=4)),
-         LayoutError),
+        (
+            "tensor-fewer-blocks",
+            kv_with(lambda kv: [t[:, :10].contiguous() for t in kv]),
+            LayoutError,
+        ),
+        (
+            "layout-mixed-devices",
+            lambda ctx: asyncio.sleep(
+                0,
+                KVLayout.from_tensors(
+                    [make_kv()[0], torch.empty(2, NUM_BLOCKS, 4, 128, device="meta")],
+                    model_id="m",
+                    block_tokens=4,
+                ),
+            ),
+            LayoutError,
+        ),
     ]
 
 
@@ -213,42 +225,48 @@ ROWS: list[Row] = [
     ("key-not-bytes", lambda c: store(c, ["a" * 16], [0, 1]), InvalidArgumentError),
     ("key-short", lambda c: store(c, [b"x" * 15], [0, 1]), InvalidArgumentError),
     ("key-long", lambda c: lookup(c, [b"x" * 17]), InvalidArgumentError),
-    ("keys-duplicated", lambda c: store(c, keys(c, 1) * 2, [0, 1, 2, 3]),
-     InvalidArgumentError),
+    ("keys-duplicated", lambda c: store(c, keys(c, 1) * 2, [0, 1, 2, 3]), InvalidArgumentError),
     ("keys-a-bytes-object", lambda c: lookup(c, b"x" * 16), InvalidArgumentError),
     ("ids-too-few", lambda c: store(c, keys(c, 2), [0, 1, 2]), InvalidArgumentError),
     ("ids-too-many", lambda c: store(c, keys(c, 1), [0, 1, 2]), InvalidArgumentError),
-    ("ids-out-of-range", lambda c: store(c, keys(c, 1), [0, NUM_BLOCKS]),
-     InvalidArgumentError),
+    ("ids-out-of-range", lambda c: store(c, keys(c, 1), [0, NUM_BLOCKS]), InvalidArgumentError),
     ("ids-negative", lambda c: store(c, keys(c, 1), [-1, 0]), InvalidArgumentError),
     ("ids-duplicated", lambda c: store(c, keys(c, 1), [3, 3]), InvalidArgumentError),
     ("ids-float", lambda c: store(c, keys(c, 1), np.array([0.0, 1.0])), InvalidArgumentError),
     ("ids-2d", lambda c: store(c, keys(c, 1), np.array([[0, 1]])), InvalidArgumentError),
     ("ids-unknown-group", lambda c: store(c, keys(c, 1), {5: [0, 1]}), InvalidArgumentError),
-    ("load-never-stored", lambda c: load(c, keys(c, 1, salt=12345), [0, 1]),
-     BlockNotFoundError),
-    ("load-skip-too-big", lambda c: load(c, c.stored[:1], [0, 1], skip=BPC),
-     InvalidArgumentError),
-    ("load-skip-negative", lambda c: load(c, c.stored[:1], [0, 1], skip=-1),
-     InvalidArgumentError),
+    ("load-never-stored", lambda c: load(c, keys(c, 1, salt=12345), [0, 1]), BlockNotFoundError),
+    ("load-skip-too-big", lambda c: load(c, c.stored[:1], [0, 1], skip=BPC), InvalidArgumentError),
+    ("load-skip-negative", lambda c: load(c, c.stored[:1], [0, 1], skip=-1), InvalidArgumentError),
     ("load-skip-bool", lambda c: load(c, c.stored[:1], [0], skip=True), InvalidArgumentError),
     ("load-ids-mismatch", lambda c: load(c, c.stored[:2], [0, 1]), InvalidArgumentError),
     ("budget-zero", lambda c: make_config(cpu_bytes_to_use=0), ConfigurationError),
     ("budget-negative", lambda c: make_config(cpu_bytes_to_use=-5), ConfigurationError),
-    ("budget-below-a-row", lambda c: open_with(c, config(cpu_bytes_to_use=ROW - 1)),
-     CapacityError),
-    ("budget-absurd", lambda c: open_with(c, config(cpu_bytes_to_use="1000PiB")),
-     CapacityError),
-    ("blocks-per-chunk-mismatch", lambda c: open_with(c, config(blocks_per_chunk=3)),
-     ConfigurationError),
-    ("file-budget-zero", lambda c: make_config(
-        file_tier={"root": str(c.tmp / "z"), "bytes_to_use": 0}), ConfigurationError),
-    ("queue-depth-zero", lambda c: make_config(
-        file_tier={"root": str(c.tmp / "z"), "bytes_to_use": "1GiB", "queue_depth": 0}),
-     ConfigurationError),
+    ("budget-below-a-row", lambda c: open_with(c, config(cpu_bytes_to_use=ROW - 1)), CapacityError),
+    ("budget-absurd", lambda c: open_with(c, config(cpu_bytes_to_use="1000PiB")), CapacityError),
+    (
+        "blocks-per-chunk-mismatch",
+        lambda c: open_with(c, config(blocks_per_chunk=3)),
+        ConfigurationError,
+    ),
+    (
+        "file-budget-zero",
+        lambda c: make_config(file_tier={"root": str(c.tmp / "z"), "bytes_to_use": 0}),
+        ConfigurationError,
+    ),
+    (
+        "queue-depth-zero",
+        lambda c: make_config(
+            file_tier={"root": str(c.tmp / "z"), "bytes_to_use": "1GiB", "queue_depth": 0}
+        ),
+        ConfigurationError,
+    ),
     ("root-is-a-file", lambda c: open_with(c, file_config(Path("/etc/hostname"))), TierIOError),
-    ("root-unwritable", lambda c: open_with(c, file_config(Path("/proc/kvtier-root"))),
-     TierIOError),
+    (
+        "root-unwritable",
+        lambda c: open_with(c, file_config(Path("/proc/kvtier-root"))),
+        TierIOError,
+    ),
     ("root-without-o-direct", root_without_direct_io, DirectIOUnsupportedError),
     ("corrupted-header", corrupt_header_then_load, BlockNotFoundError),
     ("foreign-namespace-file", foreign_namespace_file, BlockNotFoundError),
@@ -270,8 +288,9 @@ async def test_bad_input_is_typed_and_loses_nothing(
     tmp_path: Path, name: str, call: Callable[[Ctx], Awaitable[Any]], error: type[BaseException]
 ) -> None:
     async with open_engine(tmp_path / "tier", cpu_rows=12) as (engine, kv):
-        stored = chain_keys(list(range(4 * engine.block_tokens)), engine.block_tokens,
-                            engine.namespace)
+        stored = chain_keys(
+            list(range(4 * engine.block_tokens)), engine.block_tokens, engine.namespace
+        )
         write_blocks(kv, stored, list(range(4 * BPC)))
         await engine.store(stored, list(range(4 * BPC)))
         await engine.flush()

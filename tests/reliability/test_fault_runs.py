@@ -24,15 +24,49 @@ from workload import open_engine, serve, verify_everything
 
 RUNS = [
     # (id, seed, write policy, rates)
-    ("io-1pct", 1, "write_through",
-     {"eio": 0.01, "enospc": 0.01, "short_read": 0.01, "short_write": 0.01,
-      "torn_write": 0.01, "latency": 0.01, "copy_fail": 0.01, "partial_copy": 0.01}),
-    ("io-5pct-write-back", 2, "write_back",
-     {"eio": 0.05, "eacces": 0.02, "short_read": 0.03, "torn_write": 0.05,
-      "latency": 0.05, "copy_fail": 0.03, "partial_copy": 0.03}),
-    ("io-10pct", 3, "write_through",
-     {"eio": 0.1, "enospc": 0.05, "short_write": 0.05, "torn_write": 0.1,
-      "latency": 0.05, "copy_fail": 0.05, "partial_copy": 0.05}),
+    (
+        "io-1pct",
+        1,
+        "write_through",
+        {
+            "eio": 0.01,
+            "enospc": 0.01,
+            "short_read": 0.01,
+            "short_write": 0.01,
+            "torn_write": 0.01,
+            "latency": 0.01,
+            "copy_fail": 0.01,
+            "partial_copy": 0.01,
+        },
+    ),
+    (
+        "io-5pct-write-back",
+        2,
+        "write_back",
+        {
+            "eio": 0.05,
+            "eacces": 0.02,
+            "short_read": 0.03,
+            "torn_write": 0.05,
+            "latency": 0.05,
+            "copy_fail": 0.03,
+            "partial_copy": 0.03,
+        },
+    ),
+    (
+        "io-10pct",
+        3,
+        "write_through",
+        {
+            "eio": 0.1,
+            "enospc": 0.05,
+            "short_write": 0.05,
+            "torn_write": 0.1,
+            "latency": 0.05,
+            "copy_fail": 0.05,
+            "partial_copy": 0.05,
+        },
+    ),
 ]
 
 

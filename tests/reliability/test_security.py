@@ -22,8 +22,9 @@ async def test_created_files_are_0600_and_directories_0700(tmp_path: Path) -> No
     old = os.umask(0)  # the modes must not depend on a permissive umask
     try:
         async with open_engine(root) as (engine, kv):
-            keys = chain_keys(list(range(3 * engine.block_tokens)), engine.block_tokens,
-                              engine.namespace)
+            keys = chain_keys(
+                list(range(3 * engine.block_tokens)), engine.block_tokens, engine.namespace
+            )
             write_blocks(kv, keys, list(range(3 * BPC)))
             await engine.store(keys, list(range(3 * BPC)))
             await engine.flush()
@@ -44,8 +45,9 @@ async def test_planted_symlinks_are_never_followed(tmp_path: Path) -> None:
     secret.write_bytes(b"do not touch" * 1000)
     before = secret.read_bytes()
     async with open_engine(root, cpu_rows=4) as (engine, kv):
-        keys = chain_keys(list(range(2 * engine.block_tokens)), engine.block_tokens,
-                          engine.namespace)
+        keys = chain_keys(
+            list(range(2 * engine.block_tokens)), engine.block_tokens, engine.namespace
+        )
         ns = root / engine.namespace.hex()
         # A symlink planted where the first block's file will go, and one where a
         # temporary could go: stores must not write through them.
@@ -57,8 +59,11 @@ async def test_planted_symlinks_are_never_followed(tmp_path: Path) -> None:
         await engine.flush()
         assert secret.read_bytes() == before
         # Push both blocks out of the CPU tier, then load from the file tier.
-        others = chain_keys(list(range(10**6, 10**6 + 8 * engine.block_tokens)),
-                            engine.block_tokens, engine.namespace)
+        others = chain_keys(
+            list(range(10**6, 10**6 + 8 * engine.block_tokens)),
+            engine.block_tokens,
+            engine.namespace,
+        )
         for k in others:
             write_blocks(kv, [k], [0, 1])
             await engine.store([k], [0, 1])

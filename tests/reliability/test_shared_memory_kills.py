@@ -64,8 +64,9 @@ def test_random_kills_leave_no_shared_memory(report: dict[str, object]) -> None:
         attached = 0
         for p, first in zip(procs, lines, strict=True):
             out = first + (p.stdout.read() if p.stdout else "")
-            attached += any(line.startswith("{") and "error" not in line
-                            for line in out.splitlines())
+            attached += any(
+                line.startswith("{") and "error" not in line for line in out.splitlines()
+            )
             for stream in (p.stdout, p.stderr):
                 if stream is not None:
                     stream.close()
