@@ -82,9 +82,9 @@ _QUARANTINE_KEEP = 8
 quarantine cannot grow the tier past its byte budget by more than this many files."""
 _RECOVERY_BATCH = 1024
 _META_BATCH = 256
-_META_THREADS = 4
-"""Metadata threads of a tier: enough to overlap the ~1 ms a file creation
-waits behind a full disk queue; each mostly sleeps in the kernel."""
+_META_CREATORS = 1
+"""File-creation threads of a tier, beside its ordered metadata thread (more
+measured no faster: see :class:`_MetaWorkers`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,26 +229,31 @@ _Then = Callable[[Any, OSError | None], None]
 
 
 class _MetaWorkers:
-    """A few threads running file-system metadata calls off the event loop.
+    """Threads running file-system metadata calls off the event loop.
 
     Creating, opening, closing and renaming block files cost 20-90 us of
-    kernel time each here, and creating a file while the disk's queue is full
-    of block writes waited about 1 ms (the inode's metadata reads queue
-    behind the data): on the loop they would stall every other task, and on
-    one thread they bound the tier's write rate (1 ms a 256 KiB file is
-    0.26 GB/s). Several threads overlap those waits.
+    kernel time each on an idle disk here, and creating a file while block
+    writes stream costs 1-2 ms of CPU: on the loop they would stall every
+    other task.
 
-    Calls that name a key run on the thread that key hashes to, in
-    submission order there (a later rename of a key never overtakes an
-    earlier one, such as the move aside of its evicted file); calls without a
-    key (creating a uniquely named file) go round robin. Outcomes come back to
-    the loop in batches, one ``call_soon_threadsafe`` per batch.
+    One *ordered* thread runs every call but file creations, in submission
+    order: a later rename of a key never overtakes an earlier one (such as
+    the move aside of its evicted file). It also computes the checksums of
+    blocks written over spare files (XXH3 releases the GIL). Creations (of
+    uniquely named files, with their block's checksum) run on a separate
+    *creation* thread, so that renames publishing finished blocks never wait
+    behind them. Measured here, more threads did not pay: three creation
+    threads filled an empty tier no faster than one (creation is CPU-bound
+    in the kernel), and spreading all calls over four threads cost 30-50%
+    more CPU per GB in the steady state for no more throughput (one busy
+    thread batches its work; several wake up for every call). Outcomes come
+    back to the loop in batches, one ``call_soon_threadsafe`` per batch.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, count: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, creators: int) -> None:
         self._loop = loop
         self._queues: list[queue.SimpleQueue[tuple[Callable[[], Any], _Then] | None]] = [
-            queue.SimpleQueue() for _ in range(count)
+            queue.SimpleQueue() for _ in range(1 + creators)
         ]
         self._next = 0
         self._threads = [
@@ -258,14 +263,14 @@ class _MetaWorkers:
         for t in self._threads:
             t.start()
 
-    def submit(self, call: Callable[[], Any], then: _Then, key: bytes | None = None) -> None:
-        if key is None:
-            self._next = (self._next + 1) % len(self._queues)
-            index = self._next
-        else:
-            # Keys are hashes already: their first bytes spread evenly.
-            index = key[0] % len(self._queues) if key else 0
-        self._queues[index].put((call, then))
+    def submit(self, call: Callable[[], Any], then: _Then) -> None:
+        """Run ``call`` on the ordered thread, after every call submitted before."""
+        self._queues[0].put((call, then))
+
+    def submit_create(self, call: Callable[[], Any], then: _Then) -> None:
+        """Run ``call`` (a file creation) on the next creation thread."""
+        self._next = self._next % (len(self._queues) - 1) + 1
+        self._queues[self._next].put((call, then))
 
     def close(self) -> None:
         for q in self._queues:
@@ -378,7 +383,7 @@ class FileTier:
         self._tmp_seq = 0
         self._spares: list[tuple[str, int]] = []
         """Evicted files moved to tmp/, each open for writing: (name, descriptor)."""
-        self._meta = _MetaWorkers(self._loop, _META_THREADS)
+        self._meta = _MetaWorkers(self._loop, _META_CREATORS)
         self._pending_stores = 0
         self._spares_coming = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -847,6 +852,7 @@ class FileTier:
     def _start_store(self, op: _BlockOp) -> None:
         # The checksum is computed on a metadata thread too (XXH3 releases the
         # GIL): at 256 KiB blocks it was a third of the loop's work per block.
+        # Over a spare it runs on the ordered thread, which is awake anyway.
         view = op.view
         if self._spares:
             # Overwriting an evicted file in place: no inode or extent allocation.
@@ -856,7 +862,7 @@ class FileTier:
         self._tmp_seq += 1
         name = f"{op.key.hex()}.{os.getpid()}.{self._tmp_seq}.tmp"
         flags, tmp_fd = self._write_flags, self._tmp_fd
-        self._meta.submit(
+        self._meta.submit_create(
             lambda: (os.open(name, flags, 0o600, dir_fd=tmp_fd), checksum(view)),
             lambda both, exc: self._created(op, name, both, exc),
         )
@@ -939,7 +945,7 @@ class FileTier:
             os.close(fd)
             rename()
 
-        self._meta.submit(close_and_rename, lambda _, exc: self._published(op, exc), op.key)
+        self._meta.submit(close_and_rename, lambda _, exc: self._published(op, exc))
         self._pump()
 
     def _published(self, op: _BlockOp, exc: OSError | None) -> None:
@@ -954,10 +960,10 @@ class FileTier:
         err: KVTierError | None = None
         try:
             await self._engine.fsync(op.fd)
-            # Through the key's metadata thread like every other rename: its FIFO order
+            # Through the ordered metadata thread like every other rename: its FIFO order
             # puts this rename after the spare rename of an earlier eviction of
             # the same key, which would otherwise move the new file aside.
-            exc = await self._meta_call(self._rename_into_place(op), op.key)
+            exc = await self._meta_call(self._rename_into_place(op))
             if exc is not None:
                 raise exc
             op.tmp = ""
@@ -987,15 +993,15 @@ class FileTier:
         src, dst = self._tmp_fd, self._ns_fd
         return lambda: os.rename(tmp, final, src_dir_fd=src, dst_dir_fd=dst)
 
-    def _meta_call(self, call: Callable[[], object], key: bytes) -> asyncio.Future[OSError | None]:
-        """Run ``call`` on ``key``'s metadata thread; the future gives its OSError or None."""
+    def _meta_call(self, call: Callable[[], object]) -> asyncio.Future[OSError | None]:
+        """Run ``call`` on the ordered metadata thread; the future gives its OSError or None."""
         fut: asyncio.Future[OSError | None] = self._loop.create_future()
 
         def then(_: object, exc: OSError | None) -> None:
             if not fut.done():
                 fut.set_result(exc)
 
-        self._meta.submit(call, then, key)
+        self._meta.submit(call, then)
         return fut
 
     def _start_load(self, op: _BlockOp) -> None:
@@ -1143,11 +1149,10 @@ class FileTier:
         src, ns_fd, tmp_fd = self._block_path(key), self._ns_fd, self._tmp_fd
         flags = self._write_flags & ~(os.O_CREAT | os.O_EXCL)
         self._spares_coming += 1
-        # On the key's metadata thread, before any later rename of the same key (FIFO).
+        # On the ordered metadata thread, before any later rename of the same key.
         self._meta.submit(
             lambda: _take_spare(src, name, ns_fd, tmp_fd, flags),
             lambda fd, exc: self._spare_ready(key, name, fd, exc),
-            key,
         )
 
     def _spare_ready(self, key: bytes, name: str, fd: int | None, exc: OSError | None) -> None:
