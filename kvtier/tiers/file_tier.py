@@ -293,6 +293,11 @@ class _MetaWorkers:
                     result = call()
                 except OSError as exc:
                     done.append((then, None, exc))
+                except Exception as exc:
+                    # A bug must fail its block, not kill the thread (every later
+                    # call would wait for ever, and aclose with them).
+                    log.exception("file tier: a metadata call failed")
+                    done.append((then, None, OSError(_errno.EIO, f"internal error: {exc!r}")))
                 else:
                     done.append((then, result, None))
             if done:
@@ -863,13 +868,14 @@ class FileTier:
         name = f"{op.key.hex()}.{os.getpid()}.{self._tmp_seq}.tmp"
         flags, tmp_fd = self._write_flags, self._tmp_fd
         self._meta.submit_create(
-            lambda: (os.open(name, flags, 0o600, dir_fd=tmp_fd), checksum(view)),
+            # The checksum first: if it failed after the open, the fd would leak.
+            lambda: (checksum(view), os.open(name, flags, 0o600, dir_fd=tmp_fd)),
             lambda both, exc: self._created(op, name, both, exc),
         )
 
     def _summed(self, op: _BlockOp, summed: int | None, exc: OSError | None) -> None:
         if summed is None:
-            # checksum() raises no OSError; a None here is a bug, reported as one.
+            # The rows were validated, so a failed checksum is a bug: fail the block.
             self._block_done(op, TierIOError(_errno.EIO, f"internal error: checksum {exc!r}"))
             return
         op.checksum = summed
@@ -880,7 +886,7 @@ class FileTier:
     ) -> None:
         fd = None
         if both is not None:
-            fd, op.checksum = both
+            op.checksum, fd = both
         if exc is not None or fd is None:
             err = self._io_error(
                 exc or OSError(_errno.EIO, "no descriptor"),

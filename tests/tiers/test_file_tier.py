@@ -281,6 +281,36 @@ async def test_more_blocks_than_capacity_fail_as_capacity(open_tier: OpenTier) -
 # -- failures per block -----------------------------------------------------------------
 
 
+async def test_a_bug_in_a_metadata_call_fails_its_block_and_the_tier_goes_on(
+    open_tier: OpenTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-OSError on a metadata thread must not kill it (later calls would hang)."""
+    import kvtier.tiers.file_tier as ft
+
+    real, calls = ft.checksum, [0]  # type: ignore[attr-defined]
+
+    def flaky(view: memoryview) -> int:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("simulated bug")
+        return real(view)
+
+    monkeypatch.setattr(ft, "checksum", flaky)
+    tier = await open_tier()
+    ks = keys(3)
+    result = await tier.store(ks, Rows(3).fill(3).rows())
+    assert len(result.stored) == 2
+    (err,) = result.failed.values()
+    assert isinstance(err, TierIOError)
+    assert "internal error" in str(err)
+    assert not list((tier.path / "tmp").iterdir())
+    # The same threads serve the retry, and the tier closes.
+    (bad,) = result.failed
+    assert (await tier.store([bad], Rows(1).fill(3).rows())).stored == (bad,)
+    assert (await tier.load(ks, Rows(3).rows())).loaded == tuple(ks)
+    await tier.aclose()
+
+
 async def test_write_error_fails_that_block_only(
     open_tier: OpenTier, engine_kind: EngineKind
 ) -> None:
