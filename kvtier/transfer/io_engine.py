@@ -417,7 +417,8 @@ def _probe_child() -> str | None:
     import sys
 
     if not sys.executable:
-        return None  # embedded without an interpreter to start: trust the in-process probe
+        # Embedded without an interpreter to start: probe in this process.
+        return _probe_in_process()
     try:
         proc = subprocess.run(
             [sys.executable, "-c", _CHILD_PROBE, str(Path(__file__).with_name("_ring.py"))],
@@ -443,17 +444,22 @@ def _probe_child() -> str | None:
 def probe_io_uring() -> str | None:
     """Whether io_uring works here: ``None`` if it does, else the reason it does not.
 
-    First in a child interpreter (whatever kills a process there, such as a
-    seccomp profile that kills on ``io_uring_setup``, must not take the
-    caller's down with it), then in this process: a ring, one no-op, and the
-    ``struct iovec`` layout the zero-copy path relies on. The
-    answer is computed once per process.
+    In a child interpreter (whatever kills a process there, such as a seccomp
+    profile that kills on ``io_uring_setup``, must not take the caller's down
+    with it; seccomp filters are inherited, so the child's answer holds for
+    the caller), or in this process where no interpreter can be started; and
+    the ``struct iovec`` layout the zero-copy path relies on. The answer is
+    computed once per process.
     """
     if _probe_result:
         return _probe_result[0]
-    reason = _probe_child()
-    if reason is None:
-        reason = _probe_in_process()
+    from kvtier.transfer.uring import _IovecPool
+
+    try:
+        _IovecPool()  # the struct iovec layout the zero-copy path relies on
+        reason = _probe_child()
+    except RuntimeError as exc:
+        reason = str(exc)
     _probe_result.append(reason)
     return reason
 
@@ -472,11 +478,6 @@ def _probe_in_process() -> str | None:
             ring.close()
         if done != [(1, 0)]:
             return f"io_uring no-op gave {done}, not [(1, 0)]"
-        from kvtier.transfer.uring import _IovecPool
-
-        _IovecPool()  # the struct iovec layout the zero-copy path relies on
-    except RuntimeError as exc:
-        return str(exc)
     except OSError as exc:
         # EPERM: seccomp or io_uring_disabled; ENOSYS: kernel built without it.
         return f"io_uring setup failed: {exc}"
