@@ -232,9 +232,9 @@ class _MetaWorkers:
     """Threads running file-system metadata calls off the event loop.
 
     Creating, opening, closing and renaming block files cost 20-90 us of
-    kernel time each on an idle disk here, and creating a file while block
-    writes stream costs 1-2 ms of CPU: on the loop they would stall every
-    other task.
+    kernel time each on an idle disk here, and filling a tier with new files
+    while block writes stream cost 6-8 CPU s/GB (1.5-2 ms a 256 KiB block):
+    on the loop they would stall every other task.
 
     One *ordered* thread runs every call but file creations, in submission
     order: a later rename of a key never overtakes an earlier one (such as
@@ -243,11 +243,11 @@ class _MetaWorkers:
     uniquely named files, with their block's checksum) run on a separate
     *creation* thread, so that renames publishing finished blocks never wait
     behind them. Measured here, more threads did not pay: three creation
-    threads filled an empty tier no faster than one (creation is CPU-bound
-    in the kernel), and spreading all calls over four threads cost 30-50%
-    more CPU per GB in the steady state for no more throughput (one busy
-    thread batches its work; several wake up for every call). Outcomes come
-    back to the loop in batches, one ``call_soon_threadsafe`` per batch.
+    threads filled an empty tier no faster than one, and spreading all calls
+    over four threads cost 30-50% more CPU per GB in the steady state for no
+    more throughput (one busy thread batches its work; several wake up for
+    every call). Outcomes come back to the loop in batches, one
+    ``call_soon_threadsafe`` per batch.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, creators: int) -> None:
