@@ -1,32 +1,56 @@
 """``kvtier inspect``: what a file tier root holds, read without opening the tier.
 
-Reading is safe while a tier has the root open: block files are immutable once
-renamed into place, and nothing here writes, renames or takes the tier's lock.
+A namespace directory of format version 2 keeps its blocks in fixed-size slots
+of one preallocated file, ``blocks.dat``: slot ``i`` is bytes
+``[i * slot_bytes, (i + 1) * slot_bytes)`` and holds a 4096-byte block header
+(:mod:`kvtier.tiers._format`) followed by the payload. A slot whose header
+bytes are all zero is free; one whose header is not zero but does not decode is
+torn (an interrupted write).
+
+Reading is safe while a tier has the root open: ``blocks.dat`` is opened
+read-only, nothing here writes, renames or takes the tier's lock. A slot the
+tier rewrites while we read it may be seen half-written and reported torn or
+failing its checksum: the report describes the bytes as they were read.
+
+Directories of format version 1 (one file per block under ``blocks/``) are
+reported as legacy with a count of their files and are not read: the tier
+discards them when it opens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvtier.errors import InvalidArgumentError, TierIOError
-from kvtier.tiers._format import HEADER_BYTES, HeaderError, checksum, decode_header
+from kvtier.tiers._format import HEADER_BYTES, BlockHeader, HeaderError, checksum, decode_header
 
 __all__ = ["BadFile", "NamespaceReport", "inspect_root"]
 
-_READ_CHUNK = 8 << 20
+FORMAT_VERSION = 2
+"""The namespace directory format this module reads (``namespace.json``)."""
+LAYOUT_KIND = "slots"
+
+_ZERO_HEADER = bytes(HEADER_BYTES)
+# The u32 the block format once reserved at offset 60 now holds the store time
+# (seconds since the epoch, 0 = unknown). It lies inside the bytes the header
+# checksum covers, so it is only read from headers that decode.
+_STORED_AT = struct.Struct("<I")
+_STORED_OFFSET = 60
 
 
 @dataclass(frozen=True, slots=True)
 class BadFile:
-    """A block file that fails verification."""
+    """A file, or one slot of ``blocks.dat``, that fails verification."""
 
     path: str
-    """Path of the file."""
+    """Path of the file; for a slot ``"<path of blocks.dat>@slot <index>"``."""
     reason: str
     """Why it fails."""
 
@@ -39,35 +63,78 @@ class NamespaceReport:
     """The namespace (directory name, 32 hex characters)."""
     description: dict[str, Any] | None
     """Contents of ``namespace.json`` (None when missing or unreadable)."""
+    format_version: int | None = None
+    """``format_version`` of ``namespace.json``; when that is missing, 2 if
+    ``blocks.dat`` exists, 1 if ``blocks/`` does, else None."""
+    legacy: bool = False
+    """A format version 1 directory (one file per block), which is not read."""
+    legacy_files: int = 0
+    """Regular files under ``blocks/`` (the version 1 block files)."""
+    legacy_bytes: int = 0
+    """Their bytes on disk (``st_size``)."""
+    slot_bytes: int | None = None
+    """Bytes per slot (header plus payload), None when unknown."""
+    slots: int = 0
+    """Slots ``blocks.dat`` has room for (its size // ``slot_bytes``)."""
     blocks: int = 0
-    """Block files in ``blocks/``."""
+    """Slots holding a header that decodes (including duplicates, and slots
+    whose payload fails verification)."""
+    free: int = 0
+    """Slots whose header bytes are all zero."""
+    torn: int = 0
+    """Slots whose header is not zero but does not decode (interrupted writes)."""
+    duplicates: int = 0
+    """Blocks whose key an earlier slot also holds (``blocks - duplicates``
+    distinct keys); harmless, the tier keeps one."""
     bytes: int = 0
-    """Bytes of those files on disk (``st_size``)."""
-    temporaries: int = 0
-    """Files in ``tmp/`` (interrupted writes or recycled spares)."""
+    """Size of ``blocks.dat`` (``st_size``)."""
     quarantined: int = 0
-    """Files in ``quarantine/``."""
-    strays: int = 0
-    """Entries in ``blocks/`` that are not regular files named like a key."""
+    """Entries in ``quarantine/`` (copies of slots that failed verification)."""
+    temporaries: int = 0
+    """Entries in ``tmp/`` (short-lived probe files)."""
     verified: int = 0
-    """Block files whose header and payload checksum were checked and good."""
+    """Blocks whose namespace, payload length and payload checksum were
+    checked and good (only with ``verify=True``)."""
+    oldest_stored: int | None = None
+    """Oldest store time among the blocks (seconds since the epoch), None when
+    no block records one."""
+    newest_stored: int | None = None
+    """Newest store time among the blocks, None when no block records one."""
     bad: list[BadFile] = field(default_factory=list)
-    """Files failing verification (only with ``verify=True``)."""
+    """Torn slots, unreadable or inconsistent files and, with ``verify=True``,
+    blocks failing verification."""
 
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-able summary."""
+        """Summarize the report as a JSON-able dict.
+
+        Returns
+        -------
+        dict[str, Any]
+            Every field but ``description``, plus ``model_id`` and
+            ``block_bytes`` and ``layout`` taken from it.
+        """
         desc = self.description or {}
         layout = desc.get("layout") or {}
         return {
             "namespace": self.namespace,
             "model_id": layout.get("model_id"),
+            "format_version": self.format_version,
+            "legacy": self.legacy,
+            "legacy_files": self.legacy_files,
+            "legacy_bytes": self.legacy_bytes,
             "block_bytes": desc.get("block_bytes"),
+            "slot_bytes": self.slot_bytes,
+            "slots": self.slots,
             "blocks": self.blocks,
+            "free": self.free,
+            "torn": self.torn,
+            "duplicates": self.duplicates,
             "bytes": self.bytes,
-            "temporaries": self.temporaries,
             "quarantined": self.quarantined,
-            "strays": self.strays,
+            "temporaries": self.temporaries,
             "verified": self.verified,
+            "oldest_stored": self.oldest_stored,
+            "newest_stored": self.newest_stored,
             "bad": [{"path": b.path, "reason": b.reason} for b in self.bad],
             "layout": layout,
         }
@@ -76,13 +143,17 @@ class NamespaceReport:
 def inspect_root(root: Path, *, verify: bool = False) -> list[NamespaceReport]:
     """Describe every namespace under a file tier root.
 
+    Every slot's header is read and classified (free, torn, block); torn
+    headers are always reported in ``bad``.
+
     Parameters
     ----------
     root
         The ``root`` of a :class:`~kvtier.config.FileTierConfig`.
     verify
-        Also read every block file and check its header, its key (against its
-        name), its namespace (against its directory) and its payload checksum.
+        Also read every block's whole slot and check its namespace (against
+        its directory), its payload length (against ``block_bytes``) and its
+        payload checksum.
 
     Returns
     -------
@@ -118,76 +189,177 @@ def inspect_root(root: Path, *, verify: bool = False) -> list[NamespaceReport]:
 
 
 def _inspect_namespace(ns_dir: Path, verify: bool) -> NamespaceReport:
-    report = NamespaceReport(ns_dir.name, _read_description(ns_dir / "namespace.json"))
-    report.temporaries = _count(ns_dir / "tmp")
-    report.quarantined = _count(ns_dir / "quarantine")
-    blocks = ns_dir / "blocks"
-    expected = None
-    if report.description is not None:
-        expected = report.description.get("file_bytes")
-    for fan in sorted(_list(blocks)):
-        fan_dir = blocks / fan
-        if not fan_dir.is_dir() or fan_dir.is_symlink():
-            report.strays += 1
-            continue
-        for entry in sorted(_list(fan_dir)):
-            path = fan_dir / entry
-            try:
-                st = os.stat(path, follow_symlinks=False)
-            except OSError:
-                continue  # evicted while we looked
-            if not stat.S_ISREG(st.st_mode) or len(entry) != 32 or not _is_hex(entry):
-                report.strays += 1
-                continue
-            report.blocks += 1
-            report.bytes += st.st_size
-            if verify:
-                reason = _verify(path, entry, ns_dir.name, expected)
-                if reason is None:
-                    report.verified += 1
-                else:
-                    report.bad.append(BadFile(str(path), reason))
+    desc_path = ns_dir / "namespace.json"
+    report = NamespaceReport(ns_dir.name, _read_description(desc_path))
+    report.temporaries = len(_scandir(ns_dir / "tmp"))
+    report.quarantined = len(_scandir(ns_dir / "quarantine"))
+    dat = ns_dir / "blocks.dat"
+    has_dat = _is_regular(dat)
+    has_legacy = _is_dir(ns_dir / "blocks")
+    if has_legacy:
+        # Counted in any directory: version 1 files left beside a blocks.dat
+        # are disk the tier has yet to give back.
+        report.legacy_files, report.legacy_bytes = _count_legacy(ns_dir / "blocks")
+    version = _int(report.description, "format_version")
+    if version is None:
+        version = 2 if has_dat else 1 if has_legacy else None
+    report.format_version = version
+    report.legacy = version == 1
+    if version is not None and version > FORMAT_VERSION:
+        report.bad.append(
+            BadFile(str(desc_path), f"format_version {version} is newer than this kvtier reads")
+        )
+        return report
+    kind = (report.description or {}).get("layout_kind")
+    if version == FORMAT_VERSION and kind not in (None, LAYOUT_KIND):
+        report.bad.append(BadFile(str(desc_path), f"layout_kind {kind!r} is not {LAYOUT_KIND!r}"))
+        return report
+    if not has_dat:
+        return report
+    geometry = _geometry(report.description)
+    if isinstance(geometry, str):
+        # Without the slot size no slot can be found: say so rather than guess
+        # from the first header, which may itself be torn.
+        report.bad.append(BadFile(str(desc_path), f"{geometry}; {dat.name} not read"))
+        return report
+    report.slot_bytes, block_bytes = geometry
+    _scan(report, dat, report.slot_bytes, block_bytes, bytes.fromhex(ns_dir.name), verify)
     return report
 
 
-def _verify(path: Path, key_hex: str, namespace: str, file_bytes: int | None) -> str | None:
-    """Why the block file at ``path`` is bad, or None when it verifies."""
+def _scan(
+    report: NamespaceReport,
+    path: Path,
+    slot_bytes: int,
+    block_bytes: int,
+    namespace: bytes,
+    verify: bool,
+) -> None:
+    """Classify every slot of ``path`` into ``report``."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        return None  # evicted while we looked: nothing to serve, nothing wrong
+        return  # removed while we looked
     except OSError as exc:
-        return f"cannot open: {exc.strerror}"
+        report.bad.append(BadFile(str(path), f"cannot open: {exc.strerror}"))
+        return
+    # Header reads are 4 KiB a slot apart: readahead would pull in payload bytes
+    # (megabytes a slot) that a scan without --verify never looks at.
+    with contextlib.suppress(OSError):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     try:
-        size = os.fstat(fd).st_size
-        if file_bytes is not None and size != file_bytes:
-            return f"size {size} is not the namespace's {file_bytes} bytes"
-        head = os.pread(fd, HEADER_BYTES, 0)
         try:
-            header = decode_header(memoryview(head))
-        except HeaderError as exc:
-            return f"bad header: {exc}"
-        if header.key.hex() != key_hex:
-            return f"header names key {header.key.hex()}, not the file's name"
-        if header.namespace.hex() != namespace:
-            return f"header namespace {header.namespace.hex()} is not the directory's"
-        if size != HEADER_BYTES + header.payload_bytes:
-            return f"truncated: {size} bytes for a {header.payload_bytes}-byte payload"
-        payload = bytearray(header.payload_bytes)
-        view = memoryview(payload)
-        pos = 0
-        while pos < len(payload):
-            got = os.preadv(fd, [view[pos : pos + _READ_CHUNK]], HEADER_BYTES + pos)
-            if got == 0:
-                return "truncated while reading"
-            pos += got
-        if checksum(view) != header.payload_checksum:
-            return "payload checksum mismatch"
-        return None
-    except OSError as exc:
-        return f"read failed: {exc.strerror}"
+            size = os.fstat(fd).st_size
+        except OSError as exc:
+            report.bad.append(BadFile(str(path), f"cannot stat: {exc.strerror}"))
+            return
+        report.bytes = size
+        report.slots = size // slot_bytes
+        if verify and size % slot_bytes:
+            # The tier sizes the file in whole slots; a remainder is no slot at all.
+            report.bad.append(
+                BadFile(str(path), f"size {size} is not a whole number of {slot_bytes}-byte slots")
+            )
+        seen: set[bytes] = set()
+        slot: memoryview | None = None  # one buffer reused for every slot (verify only)
+        for i in range(report.slots):
+            where = f"{path}@slot {i}"
+            offset = i * slot_bytes
+            try:
+                head: bytes | memoryview = os.pread(fd, HEADER_BYTES, offset)
+                if len(head) < HEADER_BYTES:
+                    report.slots = i  # the file shrank while we looked
+                    break
+                if verify and head != _ZERO_HEADER:
+                    # The whole slot in one read, and the header taken from that
+                    # read, so that header and payload are the same write even
+                    # when the tier rewrites the slot between our two reads.
+                    if slot is None:
+                        slot = memoryview(bytearray(slot_bytes))
+                    if _pread_into(fd, slot, offset) < slot_bytes:
+                        report.slots = i
+                        break
+                    head = slot[:HEADER_BYTES]
+                    # Verifying reads every byte of a file that may be far larger
+                    # than memory: drop what we read so that the page cache we
+                    # take stays one slot (the tier itself uses O_DIRECT).
+                    with contextlib.suppress(OSError):
+                        os.posix_fadvise(fd, offset, slot_bytes, os.POSIX_FADV_DONTNEED)
+            except OSError as exc:
+                report.bad.append(BadFile(where, f"read failed: {exc.strerror}"))
+                continue
+            if head == _ZERO_HEADER:
+                report.free += 1
+                continue
+            try:
+                header = decode_header(memoryview(head))
+            except HeaderError as exc:
+                report.torn += 1
+                report.bad.append(BadFile(where, f"torn header: {exc}"))
+                continue
+            report.blocks += 1
+            if header.key in seen:
+                report.duplicates += 1
+            seen.add(header.key)
+            (stored,) = _STORED_AT.unpack_from(head, _STORED_OFFSET)
+            if stored:
+                report.oldest_stored = min(report.oldest_stored or stored, stored)
+                report.newest_stored = max(report.newest_stored or stored, stored)
+            if not verify or slot is None:
+                continue
+            reason = _verify(header, slot, namespace, block_bytes)
+            if reason is None:
+                report.verified += 1
+            else:
+                report.bad.append(BadFile(where, reason))
     finally:
         os.close(fd)
+
+
+def _verify(
+    header: BlockHeader, slot: memoryview, namespace: bytes, block_bytes: int
+) -> str | None:
+    """Why the block in ``slot`` (header and payload) is bad, or None when it verifies."""
+    if header.namespace != namespace:
+        return f"foreign namespace {header.namespace.hex()} (key {header.key.hex()})"
+    if header.payload_bytes != block_bytes:
+        return (
+            f"payload length {header.payload_bytes} is not the namespace's {block_bytes} bytes "
+            f"(key {header.key.hex()})"
+        )
+    if checksum(slot[HEADER_BYTES : HEADER_BYTES + block_bytes]) != header.payload_checksum:
+        return f"payload checksum mismatch (key {header.key.hex()})"
+    return None
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``offset``; returns the bytes read (fewer only at end of file)."""
+    pos = 0
+    while pos < len(view):
+        got = os.preadv(fd, [view[pos:]], offset + pos)
+        if got == 0:
+            break
+        pos += got
+    return pos
+
+
+def _geometry(desc: dict[str, Any] | None) -> tuple[int, int] | str:
+    """``(slot_bytes, block_bytes)`` from a description, or why they are unknown."""
+    if desc is None:
+        return "namespace.json is missing or unreadable, so the slot size is unknown"
+    block = _int(desc, "block_bytes")
+    header = _int(desc, "header_bytes")
+    if block is None or block <= 0:
+        return f"block_bytes {desc.get('block_bytes')!r} is not a positive integer"
+    if header is not None and header != HEADER_BYTES:
+        return f"header_bytes {header} is not {HEADER_BYTES}"
+    # A version 1 description has no slot_bytes; its file_bytes is the same sum.
+    slot = _int(desc, "slot_bytes")
+    if slot is None:
+        slot = HEADER_BYTES + block
+    if slot != HEADER_BYTES + block:
+        return f"slot_bytes {slot} is not {HEADER_BYTES} + block_bytes {block}"
+    return slot, block
 
 
 def _read_description(path: Path) -> dict[str, Any] | None:
@@ -203,15 +375,52 @@ def _read_description(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _list(path: Path) -> list[str]:
+def _count_legacy(blocks: Path) -> tuple[int, int]:
+    """Regular files and their bytes in the fan-out directories under ``blocks``."""
+    files = size = 0
+    for fan in _scandir(blocks):
+        try:
+            if not fan.is_dir(follow_symlinks=False):
+                continue
+        except OSError:
+            continue  # removed while we looked
+        for entry in _scandir(Path(fan.path)):
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue  # removed while we looked
+            if stat.S_ISREG(st.st_mode):
+                files += 1
+                size += st.st_size
+    return files, size
+
+
+def _int(desc: dict[str, Any] | None, key: str) -> int | None:
+    value = (desc or {}).get(key)
+    # bool is an int to Python but never a size or a version in namespace.json.
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _scandir(path: Path) -> list[os.DirEntry[str]]:
     try:
-        return os.listdir(path)
+        with os.scandir(path) as it:
+            return list(it)
     except OSError:
         return []
 
 
-def _count(path: Path) -> int:
-    return len(_list(path))
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.stat(path, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def _is_hex(name: str) -> bool:

@@ -203,6 +203,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from kvtier._inspect import inspect_root
@@ -213,22 +214,31 @@ def _inspect(args: argparse.Namespace) -> int:
         print(json.dumps([r.as_dict() for r in reports], indent=2))
         return 1 if bad else 0
     console = Console()
+    if not console.is_terminal:  # a pipe or a file: do not squeeze the table into 80 columns
+        console = Console(width=200)
     if not reports:
         console.print(f"{args.root}: no kvtier namespaces")
         return 0
     table = Table(title=f"kvtier file tier at {args.root}")
-    for col in ("namespace", "model", "block bytes", "blocks", "bytes", "tmp", "quarantined"):
-        table.add_column(col, justify="right" if col not in ("namespace", "model") else "left")
+    columns = ["namespace", "model", "format", "block bytes", "slots", "blocks", "free", "torn"]
+    columns += ["dup", "bytes", "tmp", "quarantined"]
     if args.verify:
-        table.add_column("verified", justify="right")
-        table.add_column("bad", justify="right")
+        columns += ["verified", "bad"]
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("namespace", "model") else "right")
     for r in reports:
         d = r.as_dict()
+        version = "?" if r.format_version is None else str(r.format_version)
         row = [
             r.namespace,
             str(d["model_id"] or "?"),
+            f"{version} (legacy)" if r.legacy else version,
             str(d["block_bytes"] or "?"),
+            str(r.slots),
             str(r.blocks),
+            str(r.free),
+            str(r.torn),
+            str(r.duplicates),
             _gib(r.bytes),
             str(r.temporaries),
             str(r.quarantined),
@@ -238,8 +248,16 @@ def _inspect(args: argparse.Namespace) -> int:
         table.add_row(*row)
     console.print(table)
     for r in reports:
+        if r.legacy_files:
+            # Legacy files are not read, so they never count as bad: the tier
+            # discards them when it opens the namespace.
+            console.print(
+                f"{r.namespace}: {r.legacy_files} format version 1 block files "
+                f"({_gib(r.legacy_bytes)}), not read; the tier discards them when it opens"
+            )
+    for r in reports:
         for b in r.bad:
-            console.print(f"[red]bad[/red] {b.path}: {b.reason}")
+            console.print(f"[red]bad[/red] {escape(b.path)}: {escape(b.reason)}")
     return 1 if bad else 0
 
 
@@ -310,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     insp.add_argument(
         "--verify",
         action="store_true",
-        help="read every block file and check header, key and checksum",
+        help="read every block and check its namespace, length and payload checksum",
     )
     insp.add_argument("--json", action="store_true", help="print the report as JSON")
     insp.set_defaults(func=_inspect)

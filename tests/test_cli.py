@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-import asyncio
+import fcntl
 import json
+import os
+import struct
 from pathlib import Path
 
 import pytest
+import xxhash
 
+from kvtier._inspect import inspect_root
 from kvtier.cli import main
-from kvtier.config import FileTierConfig
-from kvtier.keys import chain_keys
 from kvtier.layout import KVLayout, TensorSpec
-from kvtier.testing.io_engine import aligned_buffer
-from kvtier.tiers.file_tier import FileTier
+from kvtier.tiers._format import HEADER_BYTES, BlockHeader, checksum, encode_header
 
 BLOCK = 16384
+SLOT = HEADER_BYTES + BLOCK
+STORED_AT = 1_700_000_000  # slot i of a helper-built namespace was stored at STORED_AT + i
 
 
 def _layout(model: str = "cli-test") -> KVLayout:
@@ -23,28 +26,111 @@ def _layout(model: str = "cli-test") -> KVLayout:
     return KVLayout((spec,), model_id=model, block_tokens=16)
 
 
-def _fill(root: Path, blocks: int, model: str = "cli-test") -> list[Path]:
-    """Store ``blocks`` blocks of known bytes under ``root``; return their files."""
+def _key(i: int) -> bytes:
+    return bytes([i]) * 16
 
-    async def go() -> list[bytes]:
-        layout = _layout(model)
-        tier = await FileTier.open(
-            FileTierConfig(root=root, bytes_to_use=16 << 20), layout, block_bytes=BLOCK
-        )
-        try:
-            keys = chain_keys(list(range(16 * blocks)), 16, layout.namespace)
-            bufs = [aligned_buffer(BLOCK) for _ in keys]
-            for i, b in enumerate(bufs):
-                b[:] = bytes([i % 251]) * BLOCK
-            result = await tier.store(keys, [memoryview(b) for b in bufs])
-            assert len(result.stored) == blocks
-            return keys
-        finally:
-            await tier.aclose()
 
-    keys = asyncio.run(go())
-    ns = _layout(model).namespace.hex()
-    return [root / ns / "blocks" / f"{k[0]:02x}" / k.hex() for k in keys]
+def _block(key: bytes, namespace: bytes, fill: int, stored_at: int) -> bytes:
+    """One slot holding a valid block: header (store time at offset 60) + payload."""
+    payload = bytes([fill]) * BLOCK
+    slot = bytearray(SLOT)
+    view = memoryview(slot)
+    encode_header(view, BlockHeader(key, namespace, BLOCK, checksum(memoryview(payload))))
+    # Written by hand, and the header checksum over bytes 0..72 redone, so that
+    # the test does not depend on whether BlockHeader knows the store time.
+    struct.pack_into("<I", slot, 60, stored_at)
+    struct.pack_into("<Q", slot, 72, xxhash.xxh3_64_intdigest(bytes(slot[:72])))
+    slot[HEADER_BYTES:] = payload
+    return bytes(slot)
+
+
+def _namespace(root: Path, kinds: list[str], model: str = "cli-test") -> Path:
+    """Build a format version 2 namespace directory by hand; return its blocks.dat.
+
+    ``kinds`` names each slot in order: ``block`` (valid, key = its index),
+    ``free`` (zero header), ``torn`` (a block whose key bytes were overwritten
+    after the header checksum was computed), ``corrupt`` (a valid header over a
+    payload with one flipped byte), ``dup`` (a valid copy of slot 0's key),
+    ``foreign`` (another namespace's block), ``short`` (a header claiming a
+    shorter payload than the namespace's).
+    """
+    layout = _layout(model)
+    ns = layout.namespace
+    ns_dir = root / ns.hex()
+    for sub in ("", "tmp", "quarantine"):
+        (ns_dir / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+    desc = {
+        "format": "kvtier file tier",
+        "format_version": 2,
+        "layout_kind": "slots",
+        "namespace": ns.hex(),
+        "block_bytes": BLOCK,
+        "slot_bytes": SLOT,
+        "header_bytes": HEADER_BYTES,
+        "alignment": 4096,
+        "layout": layout.describe(),
+    }
+    (ns_dir / "namespace.json").write_text(json.dumps(desc))
+    (ns_dir / "lock").touch()
+    slots = []
+    for i, kind in enumerate(kinds):
+        if kind == "free":
+            slots.append(bytes(SLOT))
+            continue
+        if kind == "foreign":
+            slots.append(_block(_key(i), _layout("someone-else").namespace, i, STORED_AT + i))
+            continue
+        slot = bytearray(_block(_key(0) if kind == "dup" else _key(i), ns, i, STORED_AT + i))
+        if kind == "torn":
+            slot[30] ^= 0xFF
+        elif kind == "corrupt":
+            slot[HEADER_BYTES + 100] ^= 0xFF
+        elif kind == "short":
+            payload = memoryview(slot)[HEADER_BYTES : HEADER_BYTES + BLOCK - 4096]
+            encode_header(
+                memoryview(slot), BlockHeader(_key(i), ns, len(payload), checksum(payload))
+            )
+        else:
+            assert kind in ("block", "dup"), kind
+        slots.append(bytes(slot))
+    dat = ns_dir / "blocks.dat"
+    dat.write_bytes(b"".join(slots))
+    dat.chmod(0o600)
+    return dat
+
+
+def _legacy_namespace(root: Path, files: int, model: str = "legacy-model") -> Path:
+    """A format version 1 directory: one file per block under blocks/<fan>/."""
+    layout = _layout(model)
+    ns_dir = root / layout.namespace.hex()
+    desc = {
+        "format": "kvtier file tier",
+        "format_version": 1,
+        "namespace": layout.namespace.hex(),
+        "block_bytes": BLOCK,
+        "file_bytes": SLOT,
+        "header_bytes": HEADER_BYTES,
+        "alignment": 4096,
+        "layout": layout.describe(),
+    }
+    ns_dir.mkdir(mode=0o700, parents=True)
+    (ns_dir / "namespace.json").write_text(json.dumps(desc))
+    for i in range(files):
+        key = _key(i)
+        fan = ns_dir / "blocks" / f"{key[0]:02x}"
+        fan.mkdir(parents=True, exist_ok=True)
+        # Garbage on purpose: legacy files are counted, never read.
+        (fan / key.hex()).write_bytes(b"x" * SLOT)
+    return ns_dir
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int, int]]:
+    """Every path under ``root`` with its size, mtime and mode."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        st = path.lstat()
+        out[str(path)] = (st.st_size, st.st_mtime_ns, st.st_mode)
+    return out
 
 
 @pytest.mark.parametrize("command", [[], ["demo"], ["bench"], ["inspect"]], ids=str)
@@ -55,42 +141,141 @@ def test_help_exits_zero(command: list[str], capsys: pytest.CaptureFixture[str])
     assert "usage: kvtier" in capsys.readouterr().out
 
 
-def test_inspect_counts_blocks_and_verifies(
+def test_inspect_counts_slots_and_verifies(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    files = _fill(tmp_path, 5)
-    assert main(["inspect", str(tmp_path), "--verify", "--json"]) == 0
+    kinds = ["block", "free", "block", "dup", "free", "block", "free"]
+    dat = _namespace(tmp_path, kinds)
+    (dat.parent / "tmp" / "probe.123").write_bytes(b"")
+    (dat.parent / "quarantine" / f"{_key(9).hex()}.1.0.checksum").write_bytes(b"q")
+    before = _tree(tmp_path)
+    # Holding the tier's lock as an open tier would: inspect neither takes nor waits for it.
+    with open(dat.parent / "lock", "rb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert main(["inspect", str(tmp_path), "--verify", "--json"]) == 0
     (report,) = json.loads(capsys.readouterr().out)
-    assert report["blocks"] == 5
-    assert report["verified"] == 5
-    assert report["bytes"] == sum(f.stat().st_size for f in files)
+    assert report["format_version"] == 2
+    assert report["legacy"] is False
     assert report["model_id"] == "cli-test"
+    assert report["block_bytes"] == BLOCK
+    assert report["slot_bytes"] == SLOT
+    assert report["slots"] == 7
+    assert report["blocks"] == 4
+    assert report["free"] == 3
+    assert report["torn"] == 0
+    assert report["duplicates"] == 1
+    assert report["verified"] == 4
+    assert report["bytes"] == 7 * SLOT == dat.stat().st_size
+    assert report["temporaries"] == 1
+    assert report["quarantined"] == 1
+    assert (report["oldest_stored"], report["newest_stored"]) == (STORED_AT, STORED_AT + 5)
     assert report["bad"] == []
+    assert _tree(tmp_path) == before  # read-only: nothing created, written or chmod'ed
 
 
-def test_inspect_verify_names_a_corrupted_file_and_exits_nonzero(
+def test_inspect_verify_names_a_corrupted_slot_and_exits_nonzero(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    files = _fill(tmp_path, 3)
-    with open(files[1], "r+b") as fh:
-        fh.seek(4096 + 100)
-        byte = fh.read(1)
-        fh.seek(4096 + 100)
-        fh.write(bytes([byte[0] ^ 0xFF]))
+    dat = _namespace(tmp_path, ["block", "free", "corrupt", "block"])
+    # Without --verify only headers are read: the bad payload goes unseen.
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert (report["blocks"], report["verified"], report["bad"]) == (3, 0, [])
     assert main(["inspect", str(tmp_path), "--verify", "--json"]) == 1
     (report,) = json.loads(capsys.readouterr().out)
+    assert report["blocks"] == 3
     assert report["verified"] == 2
-    assert report["bad"] == [{"path": str(files[1]), "reason": "payload checksum mismatch"}]
+    assert report["bad"] == [
+        {"path": f"{dat}@slot 2", "reason": f"payload checksum mismatch (key {_key(2).hex()})"}
+    ]
     assert main(["inspect", str(tmp_path), "--verify"]) == 1  # the table says it too
-    assert "bad" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"bad {dat}@slot 2: payload checksum mismatch" in out
+
+
+def test_inspect_reports_a_torn_slot_even_without_verify(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dat = _namespace(tmp_path, ["block", "torn", "free"])
+    assert main(["inspect", str(tmp_path), "--json"]) == 1
+    (report,) = json.loads(capsys.readouterr().out)
+    assert (report["slots"], report["blocks"], report["free"], report["torn"]) == (3, 1, 1, 1)
+    ((bad,),) = [report["bad"]]
+    assert bad["path"] == f"{dat}@slot 1"
+    assert bad["reason"].startswith("torn header: header checksum mismatch")
+    assert main(["inspect", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"bad {dat}@slot 1: torn header" in out
+
+
+def test_inspect_verify_names_foreign_and_wrong_length_slots(tmp_path: Path) -> None:
+    dat = _namespace(tmp_path, ["foreign", "short", "block"])
+    (plain,) = inspect_root(tmp_path)
+    assert (plain.blocks, plain.bad) == (3, [])  # headers decode; only --verify looks further
+    (report,) = inspect_root(tmp_path, verify=True)
+    assert report.verified == 1
+    paths = [b.path for b in report.bad]
+    reasons = [b.reason for b in report.bad]
+    assert paths == [f"{dat}@slot 0", f"{dat}@slot 1"]
+    assert reasons[0].startswith(f"foreign namespace {_layout('someone-else').namespace.hex()}")
+    assert reasons[1].startswith(f"payload length {BLOCK - 4096} is not the namespace's {BLOCK}")
+
+
+def test_inspect_verify_flags_a_partial_trailing_slot(tmp_path: Path) -> None:
+    dat = _namespace(tmp_path, ["block", "free"])
+    with open(dat, "ab") as fh:
+        fh.write(bytes(4096))
+    (report,) = inspect_root(tmp_path, verify=True)
+    assert (report.slots, report.blocks, report.free) == (2, 1, 1)
+    assert [b.reason for b in report.bad] == [
+        f"size {2 * SLOT + 4096} is not a whole number of {SLOT}-byte slots"
+    ]
+
+
+def test_inspect_without_a_description_does_not_guess_the_slot_size(tmp_path: Path) -> None:
+    dat = _namespace(tmp_path, ["block"])
+    (dat.parent / "namespace.json").unlink()
+    (report,) = inspect_root(tmp_path)
+    assert report.format_version == 2  # inferred from blocks.dat
+    assert (report.slots, report.blocks) == (0, 0)
+    ((bad,),) = [report.bad]
+    assert bad.path == str(dat.parent / "namespace.json")
+    assert "slot size is unknown" in bad.reason
+
+
+def test_inspect_reports_a_legacy_directory_without_reading_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ns_dir = _legacy_namespace(tmp_path, 3)
+    _namespace(tmp_path, ["block", "free"])
+    assert main(["inspect", str(tmp_path), "--verify", "--json"]) == 0  # garbage, but not read
+    reports = {r["model_id"]: r for r in json.loads(capsys.readouterr().out)}
+    legacy = reports["legacy-model"]
+    assert legacy["namespace"] == ns_dir.name
+    assert (legacy["format_version"], legacy["legacy"]) == (1, True)
+    assert (legacy["legacy_files"], legacy["legacy_bytes"]) == (3, 3 * SLOT)
+    assert (legacy["slots"], legacy["blocks"], legacy["verified"], legacy["bad"]) == (0, 0, 0, [])
+    current = reports["cli-test"]
+    assert (current["legacy"], current["legacy_files"], current["verified"]) == (False, 0, 1)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 (legacy)" in out
+    assert f"{ns_dir.name}: 3 format version 1 block files" in out
 
 
 def test_inspect_lists_each_namespace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _fill(tmp_path, 2, model="model-a")
-    _fill(tmp_path, 3, model="model-b")
+    _namespace(tmp_path, ["block", "block"], model="model-a")
+    _namespace(tmp_path, ["block", "free", "block", "block"], model="model-b")
+    (tmp_path / "not-a-namespace").mkdir()
+    os.symlink(tmp_path / "not-a-namespace", tmp_path / ("ab" * 16))  # symlinks are skipped
     assert main(["inspect", str(tmp_path), "--json"]) == 0
     reports = json.loads(capsys.readouterr().out)
     assert sorted((r["model_id"], r["blocks"]) for r in reports) == [("model-a", 2), ("model-b", 3)]
+
+
+def test_inspect_empty_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "no kvtier namespaces" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
