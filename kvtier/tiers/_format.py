@@ -1,6 +1,6 @@
-"""On-disk format of one block file of the file tier.
+"""On-disk format of one block (one slot of the file tier's ``blocks.dat``).
 
-A block file is a fixed-size header followed by the payload (one CPU-region
+A block is a fixed-size header followed by the payload (one CPU-region
 row)::
 
     offset  size  field
@@ -12,17 +12,19 @@ row)::
     24      16    key              the block key (kvtier.keys, 16 bytes)
     40      16    namespace        KVLayout.namespace of the layout that wrote it
     56      4     checksum kind    1 = XXH3-64 of the payload
-    60      4     reserved         0
+    60      4     stored at        seconds since the epoch (u32; 0 = unknown)
     64      8     payload checksum
     72      8     header checksum  XXH3-64 of bytes 0..72
     80      ...   zero padding up to ``header bytes``
     4096    n     payload
 
 The header is one 4096-byte block so that the payload offset, the payload
-length (a multiple of the alignment) and hence the file size keep O_DIRECT
-alignment, and so that header and payload are read and written by one
+length (a multiple of the alignment) and hence every slot's offset keep
+O_DIRECT alignment, and so that header and payload are read and written by one
 vectored request. The header checksum tells a torn or foreign header from a
-payload that fails its checksum.
+payload that fails its checksum; a header of 4096 zero bytes marks a free
+slot. "Stored at" (formerly reserved, so version 1 still reads it) orders the
+blocks found at open by age.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ __all__ = [
     "checksum",
     "decode_header",
     "encode_header",
+    "scan_header",
 ]
 
 MAGIC = b"KVTBLK\x00\x01"
@@ -54,6 +57,7 @@ CHECKSUM_XXH3_64 = 1
 _FIELDS = struct.Struct("<8sHHIQ16s16sIIQ")
 _HCHECK = struct.Struct("<Q")
 _CHECKED = _FIELDS.size  # 72 bytes covered by the header checksum
+_SCANNED = struct.Struct(_FIELDS.format + "Q")  # the fields and the header checksum
 
 
 def checksum(payload: memoryview) -> int:
@@ -63,10 +67,10 @@ def checksum(payload: memoryview) -> int:
 
 @dataclass(frozen=True, slots=True)
 class BlockHeader:
-    """The decoded header of one block file."""
+    """The decoded header of one block."""
 
     key: bytes
-    """Block key the file holds."""
+    """Block key the slot holds."""
     namespace: bytes
     """Namespace of the layout that wrote it."""
     payload_bytes: int
@@ -75,6 +79,8 @@ class BlockHeader:
     """XXH3-64 of the payload."""
     version: int = FORMAT_VERSION
     """Format version."""
+    stored_at: int = 0
+    """Seconds since the epoch when the block was written (0 = unknown)."""
 
 
 class HeaderError(ValueError):
@@ -95,10 +101,34 @@ def encode_header(into: memoryview, header: BlockHeader) -> None:
         header.key,
         header.namespace,
         CHECKSUM_XXH3_64,
-        0,
+        header.stored_at & 0xFFFFFFFF,
         header.payload_checksum,
     )
     _HCHECK.pack_into(into, _CHECKED, xxhash.xxh3_64_intdigest(into[:_CHECKED]))
+
+
+def scan_header(data: memoryview) -> tuple[bytes, bytes, int, int]:
+    """``(key, namespace, payload bytes, stored at)`` of a valid header.
+
+    The checks of :func:`decode_header` without building a
+    :class:`BlockHeader`: a tier reopening a million slots reads each header
+    once, and the object was half the cost.
+
+    Raises
+    ------
+    HeaderError
+        For anything :func:`decode_header` refuses.
+    """
+    if len(data) < HEADER_BYTES:
+        raise HeaderError(f"header is {len(data)} bytes, shorter than {HEADER_BYTES}")
+    magic, version, hbytes, _f, payload, key, ns, kind, at, _p, hcheck = _SCANNED.unpack_from(data)
+    if magic != MAGIC or version != FORMAT_VERSION or hbytes != HEADER_BYTES:
+        raise HeaderError(f"not a kvtier block header (magic {magic!r}, version {version})")
+    if kind != CHECKSUM_XXH3_64:
+        raise HeaderError(f"unsupported checksum kind {kind}")
+    if hcheck != xxhash.xxh3_64_intdigest(data[:_CHECKED]):
+        raise HeaderError("header checksum mismatch (torn or overwritten header)")
+    return key, ns, payload, at
 
 
 def decode_header(data: memoryview) -> BlockHeader:
@@ -112,7 +142,7 @@ def decode_header(data: memoryview) -> BlockHeader:
     """
     if len(data) < HEADER_BYTES:
         raise HeaderError(f"header is {len(data)} bytes, shorter than {HEADER_BYTES}")
-    magic, version, hbytes, _flags, payload, key, ns, kind, _r, pcheck = _FIELDS.unpack_from(data)
+    magic, version, hbytes, _flags, payload, key, ns, kind, at, pcheck = _FIELDS.unpack_from(data)
     if magic != MAGIC:
         raise HeaderError(f"not a kvtier block file (magic {magic!r})")
     if version != FORMAT_VERSION:
@@ -123,5 +153,10 @@ def decode_header(data: memoryview) -> BlockHeader:
     if hbytes != HEADER_BYTES or kind != CHECKSUM_XXH3_64 or len(key) != KEY_BYTES:
         raise HeaderError(f"unsupported header (size {hbytes}, checksum kind {kind})")
     return BlockHeader(
-        key=key, namespace=ns, payload_bytes=payload, payload_checksum=pcheck, version=version
+        key=key,
+        namespace=ns,
+        payload_bytes=payload,
+        payload_checksum=pcheck,
+        version=version,
+        stored_at=at,
     )

@@ -1,26 +1,30 @@
-"""The file tier: bounded, checksummed, crash-consistent block files on O_DIRECT.
+"""The file tier: a bounded, checksummed, crash-consistent slot file on O_DIRECT.
 
-One file per block under a root directory::
+Every block of a namespace lives in one preallocated file, at a slot::
 
     <root>/                               0700, created if missing
       <namespace hex>/                    0700, one per KV layout namespace
         namespace.json                    human-readable: layout, block size, format
         lock                              flock'ed by the process that has it open
-        blocks/00/ .. blocks/ff/          fan-out by the first byte of the key
-          <key hex>                       header (4 KiB) + payload, mode 0600
-        tmp/                              blocks being written; emptied at open
-        quarantine/                       files that failed verification (bounded)
+        blocks.dat                        0600: slot i at i * slot_bytes, its size
+                                          reserved at open (the byte budget)
+        tmp/                              probe files only
+        quarantine/                       copies of blocks that failed verification (bounded)
 
-A block is written to ``tmp/`` with ``O_DIRECT``, checked for a short write,
-optionally fsync'ed, and renamed into ``blocks/``: a name in ``blocks/`` always
-denotes a complete file. Every read verifies the header (magic, version, key,
-namespace, length, header checksum) and the payload's XXH3-64; a file that
-fails is moved to ``quarantine/``, forgotten, and reported as a miss.
+A slot is a 4096-byte header (magic, key, namespace, payload length and XXH3,
+see :mod:`kvtier.tiers._format`) followed by the payload; a zero header is a
+free slot. A store writes header and payload with one vectored ``O_DIRECT``
+request at the slot's offset: no file is created, renamed or closed, so
+filling a tier costs what overwriting it costs. Every read verifies the header
+(magic, version, key, namespace, length, header checksum) and the payload's
+XXH3; a block that fails is copied to ``quarantine/``, its slot zeroed, the
+block forgotten and reported as a miss.
 
 Residency and the byte budget belong to a
-:class:`~kvtier.manager.ResidencyManager` whose slots are block files (every
-file of a namespace has the same size): the manager decides, this module only
-moves bytes and files. See ``docs/file-tier.md`` for the durability rules.
+:class:`~kvtier.manager.ResidencyManager` whose slots map one to one onto
+the file's slots: the manager decides, this module only moves bytes. See
+``docs/file-tier.md`` for the durability rules and why slots replaced one file
+per block.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import logging
 import mmap
 import os
 import queue
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -61,30 +66,38 @@ from kvtier.keys import check_keys
 from kvtier.layout import KVLayout
 from kvtier.manager import ManagerEvent, ResidencyManager
 from kvtier.tiers._format import (
-    FORMAT_VERSION,
     HEADER_BYTES,
     BlockHeader,
     HeaderError,
     checksum,
     decode_header,
     encode_header,
+    scan_header,
 )
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine, open_io_engine
 
-__all__ = ["FileTier", "FileTierStatistics", "LoadResult", "StoreResult"]
+__all__ = ["TIER_FORMAT_VERSION", "FileTier", "FileTierStatistics", "LoadResult", "StoreResult"]
 
 log = logging.getLogger("kvtier.file_tier")
 
-_FANOUT = [f"{i:02x}" for i in range(256)]
+TIER_FORMAT_VERSION = 2
+"""Version of a namespace directory's layout (``namespace.json``): 2 is one
+slot file; 1 was one file per block under ``blocks/``, discarded at open."""
+DATA_FILE = "blocks.dat"
 _QUARANTINE_KEEP = 8
-"""Quarantined files kept for inspection; older ones are deleted so that the
-quarantine cannot grow the tier past its byte budget by more than this many files."""
+"""Quarantined blocks kept for inspection; older copies are deleted so that the
+quarantine cannot grow past this many blocks."""
 _RECOVERY_BATCH = 1024
-_META_BATCH = 256
-_META_CREATORS = 1
-"""File-creation threads of a tier, beside its ordered metadata thread (more
-measured no faster: see :class:`_MetaWorkers`)."""
+_SCAN_BUFFER = 8 << 20
+"""Bytes of slot headers read per batch at open (two batches in flight)."""
+_SCAN_READS = 256
+"""Reads per batch at open."""
+_SCAN_WHOLE_SLOTS = 64 << 10
+"""Slots up to this size are scanned by reading runs of whole slots (one
+request per run); larger ones by one 4 KiB read per header. Measured here, a
+4 KiB read costs about as much as 30-45 KiB of sequential reading."""
+_WORKER_BATCH = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +112,7 @@ class StoreResult:
     """Keys not stored, with why (:class:`~kvtier.errors.TierIOError` with errno and
     path, or :class:`~kvtier.errors.CapacityError`); their slots were freed."""
     evicted: tuple[bytes, ...] = ()
-    """Keys evicted (files unlinked) to make room."""
+    """Keys evicted to make room (their slots now hold the new blocks)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +125,7 @@ class LoadResult:
     """Keys whose buffers hold no valid data, with why:
     :class:`~kvtier.errors.BlockNotFoundError` (not resident),
     :class:`~kvtier.errors.IntegrityError` or
-    :class:`~kvtier.errors.NamespaceMismatchError` (file quarantined), or
+    :class:`~kvtier.errors.NamespaceMismatchError` (block quarantined), or
     :class:`~kvtier.errors.TierIOError` (errno and path)."""
 
 
@@ -121,15 +134,16 @@ class FileTierStatistics:
     """State and counters of a :class:`FileTier`."""
 
     capacity_bytes: int
-    """Bytes the tier may use: whole block files within ``bytes_to_use``."""
+    """Bytes the tier may use: whole slots within ``bytes_to_use`` (the size
+    reserved for ``blocks.dat``)."""
     used_bytes: int
-    """Bytes of block files resident or being written."""
+    """Bytes of the slots holding a block (resident or being written)."""
     blocks: int
     """Blocks resident or being written."""
     block_bytes: int
     """Payload bytes per block."""
     file_bytes: int
-    """Bytes per block file (header + payload)."""
+    """Bytes per slot (header + payload)."""
     hits: int
     """Blocks loaded and verified."""
     misses: int
@@ -153,21 +167,22 @@ class FileTierStatistics:
     queue_depth: int
     """The I/O engine's queue depth."""
     direct_io: bool
-    """True when block files use O_DIRECT."""
+    """True when the slot file uses O_DIRECT."""
     direct_io_fallback: str | None
     """Why buffered I/O is used instead of O_DIRECT, or None."""
     durability: str
     """``"none"`` or ``"fsync"``."""
     quarantined: int
-    """Files moved to quarantine since the tier was opened (found at open included)."""
+    """Blocks that failed verification since the tier was opened, and slots
+    found at open with a header of another namespace."""
     recovery: Literal["complete"]
-    """State of the rebuild from the directory; it finishes inside :meth:`FileTier.open`."""
+    """State of the rebuild from the slot file; it finishes inside :meth:`FileTier.open`."""
     recovered_blocks: int
     """Blocks found valid at open."""
     recovery_seconds: float
-    """Time the directory scan and rebuild took at open."""
-    removed_temporaries: int
-    """Leftover temporary files (interrupted writes) deleted at open."""
+    """Time the slot scan and rebuild took at open."""
+    torn_slots: int
+    """Slots found at open with an invalid header (an interrupted write), zeroed."""
 
 
 @dataclass(slots=True)
@@ -190,13 +205,13 @@ class _BlockOp:
     key: bytes
     view: memoryview
     job: _Job
-    fd: int = -1
+    slot: int
+    """Slot of the file (not the manager's slot number)."""
     page: int = -1
-    tmp: str = ""
     checksum: int = 0
     """XXH3 of the payload (stores), computed off the loop before the write."""
-    publishing: bool = False
-    """Written and closed, its rename queued: it holds no descriptor or I/O slot."""
+    syncing: bool = False
+    """Written, waiting for an fsync: it holds no I/O slot."""
 
 
 class _HeaderPages:
@@ -224,65 +239,42 @@ class _HeaderPages:
             self._map.close()
 
 
-_Then = Callable[[Any, OSError | None], None]
-"""Called on the loop with a metadata call's return value, or None and its OSError."""
+_Then = Callable[[Any, Exception | None], None]
+"""Called on the loop with a worker call's return value, or None and its error."""
 
 
-class _MetaWorkers:
-    """Threads running file-system metadata calls off the event loop.
+class _Worker:
+    """One thread computing payload checksums off the event loop.
 
-    Creating, opening, closing and renaming block files cost 20-90 us of
-    kernel time each on an idle disk here, and filling a tier with new files
-    while block writes stream cost 6-8 CPU s/GB (1.5-2 ms a 256 KiB block):
-    on the loop they would stall every other task.
-
-    One *ordered* thread runs every call but file creations, in submission
-    order: a later rename of a key never overtakes an earlier one (such as
-    the move aside of its evicted file). It also computes the checksums of
-    blocks written over spare files (XXH3 releases the GIL). Creations (of
-    uniquely named files, with their block's checksum) run on a separate
-    *creation* thread, so that renames publishing finished blocks never wait
-    behind them. Measured here, more threads did not pay: three creation
-    threads filled an empty tier no faster than one, and spreading all calls
-    over four threads cost 30-50% more CPU per GB in the steady state for no
-    more throughput (one busy thread batches its work; several wake up for
-    every call). Outcomes come back to the loop in batches, one
-    ``call_soon_threadsafe`` per batch.
+    XXH3 releases the GIL and reads the payload from memory at 7-13 GB/s
+    here: at 256 KiB a block it was a third of the loop's work per store.
+    One busy thread takes its queue in batches and hands results back with one
+    ``call_soon_threadsafe`` per batch; several threads cost more CPU per GB
+    (each wakes up for every call) for no more throughput (measured on the
+    former metadata threads, docs/file-tier.md).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, creators: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._queues: list[queue.SimpleQueue[tuple[Callable[[], Any], _Then] | None]] = [
-            queue.SimpleQueue() for _ in range(1 + creators)
-        ]
-        self._next = 0
-        self._threads = [
-            threading.Thread(target=self._run, args=(q,), name=f"kvtier-meta-{i}", daemon=True)
-            for i, q in enumerate(self._queues)
-        ]
-        for t in self._threads:
-            t.start()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], _Then] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvtier-file-tier", daemon=True)
+        self._thread.start()
 
     def submit(self, call: Callable[[], Any], then: _Then) -> None:
-        """Run ``call`` on the ordered thread, after every call submitted before."""
-        self._queues[0].put((call, then))
-
-    def submit_create(self, call: Callable[[], Any], then: _Then) -> None:
-        """Run ``call`` (a file creation) on the next creation thread."""
-        self._next = self._next % (len(self._queues) - 1) + 1
-        self._queues[self._next].put((call, then))
+        """Run ``call`` on the thread; ``then`` gets its outcome on the loop."""
+        self._jobs.put((call, then))
 
     def close(self) -> None:
-        for q in self._queues:
-            q.put(None)
+        self._jobs.put(None)
 
-    def _run(self, jobs: queue.SimpleQueue[tuple[Callable[[], Any], _Then] | None]) -> None:
+    def _run(self) -> None:
+        jobs = self._jobs
         while True:
             batch = [jobs.get()]
             with contextlib.suppress(queue.Empty):
-                while len(batch) < _META_BATCH:
+                while len(batch) < _WORKER_BATCH:
                     batch.append(jobs.get_nowait())
-            done: list[tuple[_Then, Any, OSError | None]] = []
+            done: list[tuple[_Then, Any, Exception | None]] = []
             stop = False
             for job in batch:
                 if job is None:
@@ -291,13 +283,10 @@ class _MetaWorkers:
                 call, then = job
                 try:
                     result = call()
-                except OSError as exc:
-                    done.append((then, None, exc))
                 except Exception as exc:
-                    # A bug must fail its block, not kill the thread (every later
+                    # An error must fail its block, not kill the thread (every later
                     # call would wait for ever, and aclose with them).
-                    log.exception("file tier: a metadata call failed")
-                    done.append((then, None, OSError(_errno.EIO, f"internal error: {exc!r}")))
+                    done.append((then, None, exc))
                 else:
                     done.append((then, result, None))
             if done:
@@ -307,22 +296,23 @@ class _MetaWorkers:
                 return
 
 
-def _deliver(done: list[tuple[_Then, Any, OSError | None]]) -> None:
+def _deliver(done: list[tuple[_Then, Any, Exception | None]]) -> None:
     for then, result, exc in done:
         try:
             then(result, exc)
         except Exception:
             # One failing callback must not strand the rest of the batch (their
             # blocks would stay in flight and aclose would wait forever).
-            log.exception("file tier: a metadata completion failed")
+            log.exception("file tier: a worker completion failed")
 
 
 class FileTier:
-    """Block files under a root directory, bounded by a byte budget.
+    """Blocks in slots of one preallocated file under a root directory.
 
-    Open with :meth:`open`; close with :meth:`aclose`. Every block file of a
-    tier has ``4096 + block_bytes`` bytes. Methods are called from the event
-    loop the tier was opened on.
+    Open with :meth:`open`; close with :meth:`aclose`. Every slot of a tier
+    has ``4096 + block_bytes`` bytes, and ``blocks.dat`` has as many slots as
+    ``bytes_to_use`` holds, reserved at open. Methods are called from the
+    event loop the tier was opened on.
 
     Notes
     -----
@@ -337,8 +327,9 @@ class FileTier:
     awaits it does not cancel the I/O. The buffers are read (store) or written
     (load) by the kernel until the completion is done: do not reuse or release
     them before. A block being written is not visible (``lookup`` misses it)
-    until its file is complete and renamed into place; a block being loaded is
-    pinned and cannot be evicted until its load finishes or fails.
+    until its write has completed (and, with ``durability="fsync"``, been
+    flushed); a block being loaded is pinned and cannot be evicted until its
+    load finishes or fails.
     """
 
     def __init__(
@@ -353,7 +344,7 @@ class FileTier:
         manager: ResidencyManager,
         ns_dir: Path,
         ns_fd: int,
-        tmp_fd: int,
+        data_fd: int,
         lock_fd: int,
         direct_fallback: str | None,
     ) -> None:
@@ -366,31 +357,34 @@ class FileTier:
         self._engine = engine
         self._owns_engine = owns_engine
         self._manager = manager
-        self._slots = int(config.bytes_to_use) // (HEADER_BYTES + block_bytes)
+        self._slots = manager.capacity
+        self._file_slot = list(range(self._slots))
+        """The file slot of each manager slot: a fixed bijection, set when the
+        blocks found at open are handed to the manager (which picks its own
+        slot numbers)."""
         self._dir = ns_dir
+        self._data_path = str(ns_dir / DATA_FILE)
         self._ns_fd = ns_fd
-        self._tmp_fd = tmp_fd
+        self._fd = data_fd
         self._lock_fd = lock_fd
         self._direct = direct_fallback is None
         self._direct_fallback = direct_fallback
         self._io_alignment = alignment if self._direct else 1
-        flags = os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if self._direct else 0)
-        self._write_flags = flags | os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        self._read_flags = flags | os.O_RDONLY
         self._fsync = config.durability == "fsync"
         # Two blocks per engine slot keep the queue full while completions are
-        # handled, and bound open descriptors and header pages.
+        # handled, and bound the header pages.
         self._max_active = 2 * engine.queue_depth
         self._pages = _HeaderPages(self._max_active)
+        self._zero_page = mmap.mmap(-1, HEADER_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._pending: collections.deque[_BlockOp] = collections.deque()
         self._active = 0
-        self._publishing = 0
-        self._tmp_seq = 0
-        self._spares: list[tuple[str, int]] = []
-        """Evicted files moved to tmp/, each open for writing: (name, descriptor)."""
-        self._meta = _MetaWorkers(self._loop, _META_CREATORS)
-        self._pending_stores = 0
-        self._spares_coming = 0
+        self._zeroing: dict[int, list[_BlockOp]] = {}
+        """File slots whose header is being zeroed, with the stores waiting for it."""
+        self._zero_when_free: dict[bytes, int] = {}
+        """Forgotten blocks still read by a load: their slot is zeroed after the last."""
+        self._sync_waiting: list[_BlockOp] = []
+        self._sync_running: list[_BlockOp] | None = None
+        self._worker = _Worker(self._loop)
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self._idle: asyncio.Future[None] | None = None
@@ -409,7 +403,7 @@ class FileTier:
         self._quarantined = 0
         self._recovered = 0
         self._recovery_seconds = 0.0
-        self._removed_tmp = 0
+        self._torn = 0
 
     # -- opening ------------------------------------------------------------------------
 
@@ -433,7 +427,7 @@ class FileTier:
             queue depth and durability.
         layout
             The KV layout; its namespace names the tier's directory and is
-            written into, and checked against, every block file.
+            written into, and checked against, every block.
         block_bytes
             Payload bytes of every block (one CPU-region row), a multiple of
             ``alignment``.
@@ -449,14 +443,14 @@ class FileTier:
         Returns
         -------
         FileTier
-            Ready, with residency and usage rebuilt from the directory.
+            Ready, with residency and usage rebuilt from the slot file.
 
         Raises
         ------
         InvalidArgumentError
             For a bad ``block_bytes`` or ``alignment``.
         CapacityError
-            When ``bytes_to_use`` is smaller than one block file.
+            When ``bytes_to_use`` is smaller than one slot.
         NamespaceMismatchError
             When the namespace directory was made for another block size.
         DirectIOUnsupportedError
@@ -464,14 +458,19 @@ class FileTier:
         BusyError
             When another process has this namespace directory open.
         TierIOError
-            When the directories cannot be created or read.
+            When the directories or the slot file cannot be created, read or
+            reserved (``ENOSPC`` when the filesystem cannot hold the budget).
 
         Notes
         -----
-        Opening removes leftover temporaries (interrupted writes), quarantines
-        files of the wrong size or name, and evicts by policy if the files
-        found exceed the budget. The scan runs in a worker thread (the loop
-        keeps running); its duration is in :meth:`statistics`.
+        Opening reserves ``bytes_to_use`` (whole slots) for ``blocks.dat``
+        with ``fallocate``, so a full disk fails here and not in the middle of
+        serving; a smaller budget than last time truncates the file (the
+        blocks past the new end are gone). It then reads the header of every
+        slot that holds data (never-written ranges are skipped with
+        ``SEEK_DATA``): valid blocks become resident, oldest first, and
+        invalid headers (interrupted writes) are zeroed. A directory of
+        format version 1 (one file per block) is discarded with a warning.
         """
         if not 512 <= alignment <= HEADER_BYTES or alignment & (alignment - 1):
             raise InvalidArgumentError(
@@ -485,8 +484,7 @@ class FileTier:
         slots = int(config.bytes_to_use) // file_bytes
         if slots < 1:
             raise CapacityError(
-                f"bytes_to_use ({int(config.bytes_to_use)}) holds no block file of "
-                f"{file_bytes} bytes"
+                f"bytes_to_use ({int(config.bytes_to_use)}) holds no slot of {file_bytes} bytes"
             )
         root = Path(config.root)
         ns_dir = root / layout.namespace.hex()
@@ -495,14 +493,25 @@ class FileTier:
         fds: list[int] = [lock_fd]
         engine: IOEngine | None = None
         try:
+            await asyncio.to_thread(_clean_tmp, ns_dir)
             await _check_or_write_description(ns_dir, layout, block_bytes, alignment)
             fallback = await asyncio.to_thread(
                 _probe_direct_io, ns_dir / "tmp", config.direct_io, alignment
             )
             ns_fd = os.open(ns_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
             fds.append(ns_fd)
-            tmp_fd = os.open("tmp", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=ns_fd)
-            fds.append(tmp_fd)
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+            if fallback is None:
+                flags |= os.O_DIRECT
+            path = ns_dir / DATA_FILE
+            try:
+                data_fd = os.open(DATA_FILE, flags, 0o600, dir_fd=ns_fd)
+            except OSError as exc:
+                raise TierIOError(
+                    exc.errno or 0, f"cannot open the slot file: {exc.strerror}", path
+                ) from exc
+            fds.append(data_fd)
+            await asyncio.to_thread(_reserve, data_fd, slots * file_bytes, path)
             owns = io_engine is None
             engine = io_engine or await open_io_engine(
                 config.io_engine, queue_depth=config.queue_depth
@@ -520,7 +529,7 @@ class FileTier:
                 manager=manager,
                 ns_dir=ns_dir,
                 ns_fd=ns_fd,
-                tmp_fd=tmp_fd,
+                data_fd=data_fd,
                 lock_fd=lock_fd,
                 direct_fallback=fallback,
             )
@@ -562,8 +571,17 @@ class FileTier:
         return key in self._manager
 
     def is_ready(self, key: bytes) -> bool:
-        """True when ``key``'s file is complete and may be loaded."""
+        """True when ``key``'s block is complete and may be loaded."""
         return self._manager.is_ready(key)
+
+    def slot_of(self, key: bytes) -> int | None:
+        """The slot of ``blocks.dat`` holding ``key`` (ready or being written), or None.
+
+        The block starts at byte ``slot * (4096 + block_bytes)``; meant for
+        tools and tests that look at the file.
+        """
+        mslot = self._manager.slot_of(key)
+        return None if mslot is None else self._file_slot[mslot]
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark blocks used (as a hit would) without loading them; absent keys are ignored."""
@@ -580,10 +598,9 @@ class FileTier:
         for kind in (True, False):
             extra = now - self._busy_since[kind] if self._busy[kind] else 0.0
             busy[kind] = self._busy_seconds[kind] + extra
-        mstats = self._manager.statistics()
-        blocks = mstats.used
+        blocks = self._manager.statistics().used
         return FileTierStatistics(
-            capacity_bytes=self._manager_capacity() * self._file_bytes,
+            capacity_bytes=self._slots * self._file_bytes,
             used_bytes=blocks * self._file_bytes,
             blocks=blocks,
             block_bytes=self._block_bytes,
@@ -606,7 +623,7 @@ class FileTier:
             recovery="complete",
             recovered_blocks=self._recovered,
             recovery_seconds=self._recovery_seconds,
-            removed_temporaries=self._removed_tmp,
+            torn_slots=self._torn,
         )
 
     # -- store --------------------------------------------------------------------------
@@ -626,8 +643,9 @@ class FileTier:
         Returns
         -------
         Completion[StoreResult]
-            Resolves once every block is written and renamed into place, or has
-            failed; per-key outcomes are in the result, never raised.
+            Resolves once every block is written (and flushed, with
+            ``durability="fsync"``) or has failed; per-key outcomes are in the
+            result, never raised.
 
         Raises
         ------
@@ -640,13 +658,13 @@ class FileTier:
 
         Notes
         -----
-        Evicted blocks are forgotten at once; their files are moved to
-        ``tmp/`` and overwritten by the new blocks (or unlinked). A block
-        that fails (``ENOSPC``, ``EIO``, ``EACCES``, a short write) is
-        reported in ``failed`` with a :class:`~kvtier.errors.TierIOError`
-        carrying errno and path; its temporary file is removed and its slot
-        freed; the other blocks proceed. Buffers must stay untouched until the
-        completion is done (see the class Notes on cancellation).
+        Evicted blocks are forgotten at once and their slots overwritten by
+        the new blocks. A block that fails (``ENOSPC``, ``EIO``, ``EACCES``, a
+        short write) is reported in ``failed`` with a
+        :class:`~kvtier.errors.TierIOError` carrying errno and path; its slot
+        is zeroed and freed; the other blocks proceed. Buffers must stay
+        untouched until the completion is done (see the class Notes on
+        cancellation).
         """
         views = self._check_call(keys, buffers)
         done: Completion[StoreResult] = Completion(self._loop)
@@ -655,16 +673,15 @@ class FileTier:
             present = tuple(k for k in keys if k in self._manager)
             err = CapacityError(
                 f"no room for {len(keys) - len(present)} blocks in the file tier "
-                f"({self._manager_capacity()} slots, pinned or in flight ones cannot be evicted)"
+                f"({self._slots} slots, pinned or in flight ones cannot be evicted)"
             )
             failed: dict[bytes, KVTierError] = {k: err for k in keys if k not in present}
             self._store_failures += len(failed)
             done.set_result(StoreResult(stored=(), skipped=present, failed=failed))
             return done
-        to_write = set(plan.keys)
+        file_slot = self._file_slot
+        to_write = {k: file_slot[s] for k, s in zip(plan.keys, plan.slots, strict=True)}
         evicted = tuple(plan.evicted)
-        for key in evicted:
-            self._recycle_block(key)
         self._evictions += len(evicted)
         job = _Job(
             done,
@@ -675,9 +692,9 @@ class FileTier:
             order=tuple(keys),
         )
         for key, view in zip(keys, views, strict=True):
-            if key in to_write:
-                self._pending.append(_BlockOp(True, key, view, job))
-                self._pending_stores += 1
+            slot = to_write.get(key)
+            if slot is not None:
+                self._pending.append(_BlockOp(True, key, view, job, slot))
         if not to_write:
             self._finish_job(job)
         self._pump()
@@ -713,11 +730,12 @@ class FileTier:
 
         Notes
         -----
-        A checksum or header mismatch, or a short file, is an
+        A checksum or header mismatch, or a short read, is an
         :class:`~kvtier.errors.IntegrityError` (a header naming another
-        namespace a :class:`~kvtier.errors.NamespaceMismatchError`): the file
-        is moved to quarantine, the block forgotten, and never served again.
-        Blocks are pinned against eviction until their own read finishes.
+        namespace a :class:`~kvtier.errors.NamespaceMismatchError`): the
+        block's bytes are copied to ``quarantine/``, its slot zeroed, the
+        block forgotten and never served again. Blocks are pinned against
+        eviction until their own read finishes.
         """
         views = self._check_call(keys, buffers)
         for v in views:
@@ -730,11 +748,12 @@ class FileTier:
             if not self._manager.is_ready(k):
                 job.failed[k] = BlockNotFoundError(f"block {k.hex()} is not in the file tier")
         if ready:
-            self._manager.prepare_load(ready)
-        by_key = dict(zip(keys, views, strict=True))
-        for k in ready:
-            self._pending.append(_BlockOp(False, k, by_key[k], job))
-        if not ready:
+            plan = self._manager.prepare_load(ready)
+            by_key = dict(zip(keys, views, strict=True))
+            file_slot = self._file_slot
+            for k, s in zip(plan.keys, plan.slots, strict=True):
+                self._pending.append(_BlockOp(False, k, by_key[k], job, file_slot[s]))
+        else:
             self._finish_job(job)
         self._pump()
         return done
@@ -742,7 +761,10 @@ class FileTier:
     # -- removal and closing ------------------------------------------------------------
 
     def remove(self, keys: Sequence[bytes]) -> None:
-        """Forget ready blocks and unlink their files; absent keys are ignored.
+        """Forget ready blocks and zero their slots; absent keys are ignored.
+
+        A block being loaded keeps its bytes until its last load finishes; its
+        slot is zeroed then.
 
         Raises
         ------
@@ -753,9 +775,7 @@ class FileTier:
         check_keys(keys)
         ready = [k for k in keys if self._manager.is_ready(k)]
         if ready:
-            self._manager.remove(ready)
-            for k in ready:
-                self._unlink_block(k)
+            self._forget(ready)
 
     async def aclose(self) -> None:
         """Wait for every block in flight, then release the tier; idempotent.
@@ -769,22 +789,21 @@ class FileTier:
         """
         first = not self._closed
         self._closed = True
-        if self._active or self._publishing or self._pending or self._spares_coming:
+        if self._busy_now():
             if self._idle is None:
                 self._idle = self._loop.create_future()
             await asyncio.shield(self._idle)
+        if self._tasks:
+            await asyncio.shield(asyncio.gather(*self._tasks, return_exceptions=True))
         if not first:
             return
-        for name, fd in self._spares:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=self._tmp_fd)
-        self._spares.clear()
-        self._meta.close()
+        self._worker.close()
         if self._owns_engine:
             await self._engine.aclose()
         self._pages.close()
-        for fd in (self._tmp_fd, self._ns_fd, self._lock_fd):
+        with contextlib.suppress(BufferError):
+            self._zero_page.close()
+        for fd in (self._fd, self._ns_fd, self._lock_fd):
             # Closing the lock descriptor releases the flock.
             os.close(fd)
 
@@ -819,25 +838,28 @@ class FileTier:
 
     def _pump(self) -> None:
         while self._pending and self._active < self._max_active:
-            if self._pending[0].store and not self._spares and self._spares_coming:
-                # An evicted file is on its way to tmp/: overwriting it is far
-                # cheaper than creating a file, so wait for it (in order).
-                break
             op = self._pending.popleft()
-            self._pending_stores -= op.store
             self._active += 1
             self._busy_start(op.store)
-            try:
-                if op.store:
-                    self._start_store(op)
-                else:
-                    self._start_load(op)
-            except KVTierError as exc:
-                self._block_done(op, exc)
-            except Exception as exc:
-                # A bug must not leave the block pinned or the tier waiting forever.
-                log.exception("file tier: block %s failed to start", op.key.hex())
-                self._block_done(op, TierIOError(_errno.EIO, f"internal error: {exc!r}"))
+            self._start(op)
+
+    def _start(self, op: _BlockOp) -> None:
+        try:
+            if not op.store:
+                self._start_load(op)
+            elif op.slot in self._zeroing:
+                # The slot's previous block is being cleared; writing now could
+                # land before the zeros and the zeros would erase this block.
+                self._zeroing[op.slot].append(op)
+            else:
+                view = op.view
+                self._worker.submit(lambda: checksum(view), lambda s, e: self._summed(op, s, e))
+        except KVTierError as exc:
+            self._block_done(op, exc)
+        except Exception as exc:
+            # A bug must not leave the block pinned or the tier waiting forever.
+            log.exception("file tier: block %s failed to start", op.key.hex())
+            self._block_done(op, TierIOError(_errno.EIO, f"internal error: {exc!r}"))
 
     def _busy_start(self, store: bool) -> None:
         if not self._busy[store]:
@@ -849,68 +871,28 @@ class FileTier:
         if not self._busy[store]:
             self._busy_seconds[store] += time.perf_counter() - self._busy_since[store]
 
-    def _block_path(self, key: bytes) -> str:
-        # The key's hex digest is the only way a key ever becomes a path.
-        name = key.hex()
-        return f"blocks/{name[:2]}/{name}"
-
-    def _start_store(self, op: _BlockOp) -> None:
-        # The checksum is computed on a metadata thread too (XXH3 releases the
-        # GIL): at 256 KiB blocks it was a third of the loop's work per block.
-        # Over a spare it runs on the ordered thread, which is awake anyway.
-        view = op.view
-        if self._spares:
-            # Overwriting an evicted file in place: no inode or extent allocation.
-            op.tmp, op.fd = self._spares.pop()
-            self._meta.submit(lambda: checksum(view), lambda cs, exc: self._summed(op, cs, exc))
-            return
-        self._tmp_seq += 1
-        name = f"{op.key.hex()}.{os.getpid()}.{self._tmp_seq}.tmp"
-        flags, tmp_fd = self._write_flags, self._tmp_fd
-        self._meta.submit_create(
-            # The checksum first: if it failed after the open, the fd would leak.
-            lambda: (checksum(view), os.open(name, flags, 0o600, dir_fd=tmp_fd)),
-            lambda both, exc: self._created(op, name, both, exc),
-        )
-
-    def _summed(self, op: _BlockOp, summed: int | None, exc: OSError | None) -> None:
+    def _summed(self, op: _BlockOp, summed: int | None, exc: Exception | None) -> None:
         if summed is None:
             # The rows were validated, so a failed checksum is a bug: fail the block.
             self._block_done(op, TierIOError(_errno.EIO, f"internal error: checksum {exc!r}"))
             return
         op.checksum = summed
-        self._write_block(op)
-
-    def _created(
-        self, op: _BlockOp, name: str, both: tuple[int, int] | None, exc: OSError | None
-    ) -> None:
-        fd = None
-        if both is not None:
-            op.checksum, fd = both
-        if exc is not None or fd is None:
-            err = self._io_error(
-                exc or OSError(_errno.EIO, "no descriptor"),
-                "cannot create block file",
-                str(self._dir / "tmp" / name),
-            )
-            self._block_done(op, err)
-            return
-        op.tmp, op.fd = name, fd
-        self._write_block(op)
-
-    def _write_block(self, op: _BlockOp) -> None:
         try:
             op.page = self._pages.take()
             page = self._pages.view(op.page)
-            header = BlockHeader(op.key, self._namespace, self._block_bytes, op.checksum)
+            header = BlockHeader(
+                op.key, self._namespace, self._block_bytes, summed, stored_at=int(time.time())
+            )
             encode_header(page, header)
-            done = self._engine.writev(op.fd, [page, op.view], 0, alignment=self._io_alignment)
+            done = self._engine.writev(
+                self._fd, [page, op.view], op.slot * self._file_bytes, alignment=self._io_alignment
+            )
         except KVTierError as exc:
             self._block_done(op, exc)
             return
         except Exception as exc:
-            # Reached from a metadata callback too, outside _pump's guard: a bug
-            # must not leave the block in flight and aclose waiting forever.
+            # Reached from a worker callback, outside _pump's guard: a bug must
+            # not leave the block in flight and aclose waiting forever.
             log.exception("file tier: block %s failed to start", op.key.hex())
             self._block_done(op, TierIOError(_errno.EIO, f"internal error: {exc!r}"))
             return
@@ -920,141 +902,100 @@ class FileTier:
         self._release_page(op)
         err: KVTierError | None = None
         exc = done.exception()
+        where = f"writing slot {op.slot}"
         if isinstance(exc, TierIOError):
-            err = TierIOError(exc.errno or 0, f"writing block: {exc.strerror}", self._abs_tmp(op))
+            err = TierIOError(exc.errno or 0, f"{where}: {exc.strerror}", self._data_path)
         elif exc is not None:
-            err = TierIOError(_errno.EIO, f"writing block: {exc}", self._abs_tmp(op))
+            err = TierIOError(_errno.EIO, f"{where}: {exc}", self._data_path)
         elif done.result() != self._file_bytes:
             err = TierIOError(
                 0,
-                f"short write: {done.result()} of {self._file_bytes} bytes",
-                self._abs_tmp(op),
+                f"short write of slot {op.slot}: {done.result()} of {self._file_bytes} bytes",
+                self._data_path,
             )
-        if err is not None:
+        if err is not None or not self._fsync:
             self._block_done(op, err)
             return
-        if self._fsync:
-            task = self._loop.create_task(self._sync_and_publish(op))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            return
-        # The I/O slot is free once the data is written: a rename waiting
-        # behind others on the metadata thread must not hold back the next
-        # writes (the device would idle).
-        fd, rename = op.fd, self._rename_into_place(op)
-        op.fd = -1  # closed by the metadata thread (Linux frees it even when close fails)
-        op.publishing = True
+        # The I/O slot is free once the data is written: a flush shared by
+        # the blocks written meanwhile must not hold back the next writes.
+        op.syncing = True
         self._active -= 1
-        self._publishing += 1
-
-        def close_and_rename() -> None:
-            os.close(fd)
-            rename()
-
-        self._meta.submit(close_and_rename, lambda _, exc: self._published(op, exc))
+        self._sync_waiting.append(op)
+        self._start_sync()
         self._pump()
 
-    def _published(self, op: _BlockOp, exc: OSError | None) -> None:
-        if exc is not None:
-            err = self._io_error(exc, "cannot rename block file into place", self._abs_tmp(op))
-            self._block_done(op, err)
+    def _start_sync(self) -> None:
+        """Flush the slot file for every block written so far (one fsync for many)."""
+        if self._sync_running is not None or not self._sync_waiting:
             return
-        op.tmp = ""
-        self._block_done(op, None)
-
-    async def _sync_and_publish(self, op: _BlockOp) -> None:
-        err: KVTierError | None = None
+        ops, self._sync_waiting = self._sync_waiting, []
+        self._sync_running = ops
         try:
-            await self._engine.fsync(op.fd)
-            # Through the ordered metadata thread like every other rename: its FIFO order
-            # puts this rename after the spare rename of an earlier eviction of
-            # the same key, which would otherwise move the new file aside.
-            exc = await self._meta_call(self._rename_into_place(op))
-            if exc is not None:
-                raise exc
-            op.tmp = ""
-            # The rename is durable only once its directory is flushed.
-            name = op.key.hex()
-            dfd = os.open(
-                f"blocks/{name[:2]}",
-                os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                dir_fd=self._ns_fd,
+            done = self._engine.fsync(self._fd)
+        except Exception as exc:
+            self._synced(ops, exc)
+            return
+        done.add_done_callback(lambda c: self._synced(ops, c.exception()))
+
+    def _synced(self, ops: list[_BlockOp], exc: BaseException | None) -> None:
+        self._sync_running = None
+        err: KVTierError | None = None
+        if exc is not None:
+            code = exc.errno if isinstance(exc, OSError) and exc.errno else _errno.EIO
+            err = TierIOError(
+                code, f"fsync: {getattr(exc, 'strerror', None) or exc}", self._data_path
             )
-            try:
-                await self._engine.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except TierIOError as exc:
-            err = TierIOError(exc.errno or 0, f"fsync: {exc.strerror}", self._abs_tmp(op))
-        except OSError as exc:
-            err = self._io_error(exc, "fsync or rename", self._abs_tmp(op))
-        if err is not None and not op.tmp:
-            # Renamed but not durable: a failed block must not stay on disk
-            # outside the budget (its slot is freed below).
-            self._unlink_block(op.key)
-        self._block_done(op, err)
-
-    def _rename_into_place(self, op: _BlockOp) -> Callable[[], object]:
-        tmp, final = op.tmp, self._block_path(op.key)
-        src, dst = self._tmp_fd, self._ns_fd
-        return lambda: os.rename(tmp, final, src_dir_fd=src, dst_dir_fd=dst)
-
-    def _meta_call(self, call: Callable[[], object]) -> asyncio.Future[OSError | None]:
-        """Run ``call`` on the ordered metadata thread; the future gives its OSError or None."""
-        fut: asyncio.Future[OSError | None] = self._loop.create_future()
-
-        def then(_: object, exc: OSError | None) -> None:
-            if not fut.done():
-                fut.set_result(exc)
-
-        self._meta.submit(call, then)
-        return fut
+        for op in ops:
+            self._block_done(op, err)
+        self._start_sync()
 
     def _start_load(self, op: _BlockOp) -> None:
-        try:
-            op.fd = os.open(self._block_path(op.key), self._read_flags, dir_fd=self._ns_fd)
-        except OSError as exc:
-            raise self._io_error(exc, "cannot open block file", self._abs(op.key)) from exc
         op.page = self._pages.take()
         done = self._engine.readv(
-            op.fd, [self._pages.view(op.page), op.view], 0, alignment=self._io_alignment
+            self._fd,
+            [self._pages.view(op.page), op.view],
+            op.slot * self._file_bytes,
+            alignment=self._io_alignment,
         )
         done.add_done_callback(lambda c: self._read(op, c))
 
     def _read(self, op: _BlockOp, done: Completion[int]) -> None:
         err: KVTierError | None = None
-        path = self._abs(op.key)
         exc = done.exception()
         if exc is not None:
-            errno_ = exc.errno if isinstance(exc, OSError) and exc.errno else _errno.EIO
-            err = TierIOError(errno_, f"reading block: {exc}", path)
+            code = exc.errno if isinstance(exc, OSError) and exc.errno else _errno.EIO
+            text = getattr(exc, "strerror", None) or exc
+            err = TierIOError(code, f"reading slot {op.slot}: {text}", self._data_path)
         elif done.result() != self._file_bytes:
             err = IntegrityError(
-                f"short block file: {done.result()} of {self._file_bytes} bytes", path
+                f"short read of slot {op.slot}: {done.result()} of {self._file_bytes} bytes",
+                self._data_path,
             )
         else:
-            err = self._verify(op, path)
-        self._release_page(op)
+            err = self._verify(op)
+        if isinstance(err, IntegrityError | NamespaceMismatchError) and op.page >= 0:
+            self._quarantine(op, type(err).__name__)
         self._block_done(op, err)
 
-    def _verify(self, op: _BlockOp, path: str) -> KVTierError | None:
+    def _verify(self, op: _BlockOp) -> KVTierError | None:
+        where = f"{self._data_path} slot {op.slot}"
         try:
             header = decode_header(self._pages.view(op.page))
         except HeaderError as exc:
-            return IntegrityError(f"bad block header ({exc})", path)
+            return IntegrityError(f"bad block header ({exc})", where)
         if header.namespace != self._namespace:
             return NamespaceMismatchError(
-                f"block file {path} belongs to namespace {header.namespace.hex()}, "
+                f"{where} holds a block of namespace {header.namespace.hex()}, "
                 f"not {self._namespace.hex()}"
             )
         if header.key != op.key:
-            return IntegrityError(f"file holds block {header.key.hex()}, not {op.key.hex()}", path)
+            return IntegrityError(f"slot holds block {header.key.hex()}, not {op.key.hex()}", where)
         if header.payload_bytes != self._block_bytes:
             return IntegrityError(
-                f"payload of {header.payload_bytes} bytes, expected {self._block_bytes}", path
+                f"payload of {header.payload_bytes} bytes, expected {self._block_bytes}", where
             )
         if checksum(op.view) != header.payload_checksum:
-            return IntegrityError("payload checksum mismatch", path)
+            return IntegrityError("payload checksum mismatch", where)
         return None
 
     def _release_page(self, op: _BlockOp) -> None:
@@ -1063,36 +1004,38 @@ class FileTier:
             op.page = -1
 
     def _block_done(self, op: _BlockOp, err: KVTierError | None) -> None:
-        if op.fd >= 0:
-            os.close(op.fd)
-            op.fd = -1
         self._release_page(op)
         job = op.job
+        key = op.key
         if op.store:
-            if op.tmp:
-                with contextlib.suppress(OSError):
-                    os.unlink(op.tmp, dir_fd=self._tmp_fd)
-            self._manager.complete_store([op.key], success=err is None)
+            self._manager.complete_store([key], success=err is None)
             if err is None:
                 self._stores += 1
                 self._bytes_written += self._block_bytes
             else:
                 self._store_failures += 1
+                # What the failed write left in the slot is unknown: clear it so
+                # that a restart cannot find a block nobody stored.
+                self._zero_slot(op.slot)
         else:
-            self._manager.complete_load([op.key])
+            self._manager.complete_load([key])
             if err is None:
                 self._hits += 1
                 self._bytes_read += self._block_bytes
-            else:
-                self._forget_bad_block(op.key, err)
+            elif key in self._manager and self._manager.is_ready(key):
+                self._forget([key])
+        if self._zero_when_free and key not in self._manager:
+            slot = self._zero_when_free.pop(key, None)
+            if slot is not None:
+                self._zero_slot(slot)
         if err is None:
-            job.ok.append(op.key)
+            job.ok.append(key)
         else:
-            job.failed[op.key] = err
-            log.warning("file tier: block %s: %s", op.key.hex(), err)
+            job.failed[key] = err
+            log.warning("file tier: block %s: %s", key.hex(), err)
         self._busy_end(op.store)
-        if op.publishing:
-            self._publishing -= 1
+        if op.syncing:
+            op.syncing = False
         else:
             self._active -= 1
         job.remaining -= 1
@@ -1101,17 +1044,19 @@ class FileTier:
         self._pump()
         self._check_idle()
 
+    def _busy_now(self) -> bool:
+        return bool(
+            self._active
+            or self._pending
+            or self._zeroing
+            or self._sync_waiting
+            or self._sync_running is not None
+        )
+
     def _check_idle(self) -> None:
         idle = self._idle
-        busy = self._active or self._publishing or self._pending or self._spares_coming
-        if not busy and idle is not None and not idle.done():
+        if idle is not None and not idle.done() and not self._busy_now():
             idle.set_result(None)
-
-    def _forget_bad_block(self, key: bytes, err: KVTierError) -> None:
-        self._manager.remove([key])
-        if isinstance(err, TierIOError) and err.errno == _errno.ENOENT:
-            return
-        self._quarantine(self._block_path(key), key.hex(), type(err).__name__)
 
     def _finish_job(self, job: _Job) -> None:
         ok = set(job.ok)
@@ -1129,128 +1074,292 @@ class FileTier:
                 self._manager.touch(list(ordered))
             job.done.set_result(LoadResult(loaded=ordered, missing=job.failed))
 
-    # -- files --------------------------------------------------------------------------
+    # -- slots --------------------------------------------------------------------------
 
-    def _abs(self, key: bytes) -> str:
-        return str(self._dir / self._block_path(key))
-
-    def _abs_tmp(self, op: _BlockOp) -> str:
-        return str(self._dir / "tmp" / op.tmp) if op.tmp else self._abs(op.key)
-
-    @staticmethod
-    def _io_error(exc: OSError, what: str, path: str) -> TierIOError:
-        return TierIOError(exc.errno or 0, f"{what}: {exc.strerror}", path)
-
-    def _recycle_block(self, key: bytes) -> None:
-        """Move an evicted block's file aside for the next store to overwrite.
-
-        Creating a file costs an inode and extent allocation (measured here
-        from 20 us to 1 ms a file, varying with the filesystem's state);
-        overwriting one of the right size costs neither. A spare lives in
-        ``tmp/`` (deleted at open after a crash) and is never more than the
-        stores waiting for it, so the files on disk stay within the budget.
-        """
-        self._tmp_seq += 1
-        name = f"spare.{os.getpid()}.{self._tmp_seq}.tmp"
-        src, ns_fd, tmp_fd = self._block_path(key), self._ns_fd, self._tmp_fd
-        flags = self._write_flags & ~(os.O_CREAT | os.O_EXCL)
-        self._spares_coming += 1
-        # On the ordered metadata thread, before any later rename of the same key.
-        self._meta.submit(
-            lambda: _take_spare(src, name, ns_fd, tmp_fd, flags),
-            lambda fd, exc: self._spare_ready(key, name, fd, exc),
-        )
-
-    def _spare_ready(self, key: bytes, name: str, fd: int | None, exc: OSError | None) -> None:
-        self._spares_coming -= 1
-        if exc is None and fd is not None and fd >= 0:
-            if len(self._spares) < self._pending_stores:
-                self._spares.append((name, fd))
+    def _forget(self, keys: list[bytes]) -> None:
+        """Drop ready blocks (bad or unwanted) and zero their slots once no load reads them."""
+        file_slot, slot_of = self._file_slot, self._manager.slot_of
+        slots = [file_slot[slot_of(k) or 0] for k in keys]  # ready keys: never None
+        self._manager.remove(keys)
+        for key, slot in zip(keys, slots, strict=True):
+            if key in self._manager:
+                self._zero_when_free[key] = slot  # a load still reads it
             else:
-                # Budget invariant: spares never outnumber the stores that will
-                # overwrite them (some of those failed or found another spare).
-                os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(name, dir_fd=self._tmp_fd)
-        elif (
-            exc is not None and not isinstance(exc, FileNotFoundError) and key not in self._manager
-        ):
-            # The file could not be moved aside: it must not stay on disk unaccounted.
-            self._unlink_block(key)
-        self._pump()
+                self._zero_slot(slot)
+
+    def _zero_slot(self, slot: int) -> None:
+        """Overwrite a slot's header with zeros (a free slot), ordered before its next write."""
+        if slot in self._zeroing:
+            return
+        self._zeroing[slot] = []
+        try:
+            done = self._engine.writev(
+                self._fd,
+                [memoryview(self._zero_page)],
+                slot * self._file_bytes,
+                alignment=self._io_alignment,
+            )
+        except Exception as exc:
+            self._zeroed(slot, exc)
+            return
+        done.add_done_callback(lambda c: self._zeroed(slot, c.exception()))
+
+    def _zeroed(self, slot: int, exc: BaseException | None) -> None:
+        if exc is not None:
+            # The block stays forgotten; if it comes back after a restart, its
+            # checksum still decides whether it is served.
+            log.error("file tier: cannot clear slot %d of %s: %s", slot, self._data_path, exc)
+        for op in self._zeroing.pop(slot, []):
+            self._start(op)
         self._check_idle()
 
-    def _unlink_block(self, key: bytes) -> None:
-        try:
-            os.unlink(self._block_path(key), dir_fd=self._ns_fd)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            # The manager already forgot it; a file we cannot unlink is only logged
-            # because nothing can act on it, and it is gone from the budget's view.
-            log.error("file tier: cannot unlink evicted block %s: %s", key.hex(), exc)
-
-    def _quarantine(self, rel: str, name: str, reason: str) -> None:
+    def _quarantine(self, op: _BlockOp, reason: str) -> None:
+        """Keep a copy of a block that failed verification, for inspection (bounded)."""
+        data = bytes(self._pages.view(op.page)) + bytes(op.view)
         self._quarantine_seq += 1
-        target = f"quarantine/{name}.{time.time_ns()}.{self._quarantine_seq}.{reason}"
-        try:
-            os.rename(rel, target, src_dir_fd=self._ns_fd, dst_dir_fd=self._ns_fd)
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            log.error("file tier: cannot quarantine %s: %s; unlinking it", rel, exc)
-            with contextlib.suppress(OSError):
-                os.unlink(rel, dir_fd=self._ns_fd)
-            return
         self._quarantined += 1
-        log.warning("file tier: quarantined %s as %s (%s)", rel, target, reason)
-        _trim_quarantine(self._dir / "quarantine")
-
-    def _manager_capacity(self) -> int:
-        return self._manager.capacity
+        name = f"{op.key.hex()}.{time.time_ns()}.{self._quarantine_seq}.{reason}"
+        log.warning("file tier: slot %d (block %s) quarantined as %s", op.slot, op.key.hex(), name)
+        task = self._loop.create_task(
+            asyncio.to_thread(_write_quarantine, self._dir / "quarantine", name, data)
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # -- recovery -----------------------------------------------------------------------
 
     async def _recover(self) -> None:
         started = time.perf_counter()
-        scan = await asyncio.to_thread(_scan, self._dir, self._file_bytes)
-        self._removed_tmp = scan.removed_tmp
-        for rel, name, reason in scan.bad:
-            self._quarantine(rel, name, reason)
-        found = [key for _mtime, key in sorted(scan.found)]
-        # Oldest first, so that the policy's order starts close to last use.
-        step = min(_RECOVERY_BATCH, self._slots)
-        dropped = 0
-        for i in range(0, len(found), step):
-            batch = found[i : i + step]
-            plan = self._manager.prepare_store(batch)
-            if plan is None:
-                # Cannot happen with nothing pinned and batches within capacity;
-                # files that cannot be accounted for must not stay on disk.
-                for key in batch:
-                    self._unlink_block(key)
-                dropped += len(batch)
-                continue
-            for key in plan.evicted:
-                self._unlink_block(key)
-            self._evictions += len(plan.evicted)
-            self._manager.complete_store(list(plan.keys), success=True)
-        self._recovered = len(found) - self._evictions - dropped
+        candidates = await asyncio.to_thread(
+            _slots_with_data, self._fd, self._slots, self._file_bytes
+        )
+        found: dict[bytes, tuple[int, int]] = {}  # key -> (stored_at, file slot)
+        bad: list[int] = []
+        span = self._file_bytes
+        batches = _scan_batches(candidates, span)
+        buffer = mmap.mmap(-1, 2 * _SCAN_BUFFER)
+        view = memoryview(buffer)
+        try:
+
+            def submit(half: int, batch: list[tuple[int, int]]) -> list[Completion[int]]:
+                out, at = [], half * _SCAN_BUFFER
+                for first, count in batch:
+                    size = (count - 1) * span + HEADER_BYTES
+                    out.append(
+                        self._engine.readv(
+                            self._fd,
+                            [view[at : at + size]],
+                            first * span,
+                            alignment=self._io_alignment,
+                        )
+                    )
+                    at += size
+                return out
+
+            inflight = submit(0, batches[0]) if batches else []
+            for n, batch in enumerate(batches):
+                current = inflight
+                # The next batch's reads run while this one is decoded.
+                inflight = submit((n + 1) % 2, batches[n + 1]) if n + 1 < len(batches) else []
+                at = (n % 2) * _SCAN_BUFFER
+                for (first, count), done in zip(batch, current, strict=True):
+                    size = (count - 1) * span + HEADER_BYTES
+                    try:
+                        got = await done
+                    except Exception as exc:
+                        log.error("file tier: cannot read slots from %d at open: %s", first, exc)
+                        at += size
+                        continue
+                    for i in range(count):
+                        offset = i * span
+                        header = view[at + offset : at + offset + HEADER_BYTES]
+                        valid = HEADER_BYTES if got >= offset + HEADER_BYTES else 0
+                        self._classify(first + i, header, valid, found, bad)
+                    at += size
+        finally:
+            # Slices of the buffer may still be referenced by finished
+            # requests; the mapping then goes with them.
+            with contextlib.suppress(BufferError):
+                view.release()
+                buffer.close()
+        for slot in bad:
+            self._zero_slot(slot)
+        self._restore(found)
+        if self._zeroing:
+            # Torn headers are cleared before the tier takes writes.
+            self._idle = self._loop.create_future()
+            self._check_idle()
+            await self._idle
+            self._idle = None
         self._recovery_seconds = time.perf_counter() - started
-        if found or scan.removed_tmp or scan.bad:
+        if found or bad:
             log.info(
-                "file tier %s: recovered %d blocks in %.3f s (%d temporaries removed, "
-                "%d files quarantined, %d evicted over budget)",
+                "file tier %s: recovered %d blocks in %.3f s (%d slots read, %d torn, "
+                "%d of another namespace)",
                 self._dir,
                 self._recovered,
                 self._recovery_seconds,
-                scan.removed_tmp,
-                len(scan.bad),
-                self._evictions,
+                len(candidates),
+                self._torn,
+                len(bad) - self._torn,
             )
 
+    def _classify(
+        self,
+        slot: int,
+        page: memoryview,
+        got: int,
+        found: dict[bytes, tuple[int, int]],
+        bad: list[int],
+    ) -> None:
+        if got == HEADER_BYTES and page[:8] != _ZERO_PAGE[:8]:
+            try:
+                key, namespace, payload, stored_at = scan_header(page)
+            except HeaderError:
+                payload = -1
+            if payload != self._block_bytes:
+                self._torn += 1
+                bad.append(slot)
+            elif namespace != self._namespace:
+                self._quarantined += 1
+                bad.append(slot)
+            else:
+                prev = found.get(key)
+                # Two slots may hold one key (evicted, stored again, then a
+                # crash): both are valid; keep the newer.
+                if prev is None or prev[0] < stored_at:
+                    found[key] = (stored_at, slot)
+        elif got == HEADER_BYTES and page != _ZERO_PAGE:
+            self._torn += 1  # a header without its magic: a write cut short
+            bad.append(slot)
 
-# -- directory helpers (run in worker threads where they touch many files) -------------
+    def _restore(self, found: dict[bytes, tuple[int, int]]) -> None:
+        """Hand the blocks found to the manager, oldest first, and fix the slot mapping."""
+        order = sorted(found, key=lambda k: found[k])
+        mapping = [-1] * self._slots
+        taken: set[int] = set()
+        for i in range(0, len(order), _RECOVERY_BATCH):
+            batch = order[i : i + _RECOVERY_BATCH]
+            plan = self._manager.prepare_store(batch)
+            if plan is None or plan.evicted:
+                # Cannot happen: at most one block per file slot was found.
+                raise TierIOError(_errno.EIO, "internal error: recovery overflowed the manager")
+            for key, mslot in zip(plan.keys, plan.slots, strict=True):
+                mapping[mslot] = found[key][1]
+                taken.add(found[key][1])
+            self._manager.complete_store(list(plan.keys), success=True)
+        free = (s for s in range(self._slots) if s not in taken)
+        for mslot, slot in enumerate(mapping):
+            if slot < 0:
+                mapping[mslot] = next(free)
+        self._file_slot = mapping
+        self._recovered = len(order)
+
+
+_ZERO_PAGE = bytes(HEADER_BYTES)
+
+
+# -- helpers (run in worker threads where they touch the disk) -------------------------
+
+
+def _scan_batches(slots: list[int], span: int) -> list[list[tuple[int, int]]]:
+    """Group the slots to scan into reads ``(first slot, count)``, and reads into batches.
+
+    A read covers ``(count - 1) * span + 4096`` bytes: from the first header to
+    the end of the last one; a batch fits in :data:`_SCAN_BUFFER`.
+    """
+    per_read = max(1, (_SCAN_BUFFER // 4) // span) if span <= _SCAN_WHOLE_SLOTS else 1
+    reads: list[tuple[int, int]] = []
+    for slot in slots:
+        if reads and reads[-1][0] + reads[-1][1] == slot and reads[-1][1] < per_read:
+            reads[-1] = (reads[-1][0], reads[-1][1] + 1)
+        else:
+            reads.append((slot, 1))
+    batches: list[list[tuple[int, int]]] = []
+    used = _SCAN_BUFFER
+    for first, count in reads:
+        size = (count - 1) * span + HEADER_BYTES
+        if used + size > _SCAN_BUFFER or len(batches[-1]) >= _SCAN_READS:
+            batches.append([])
+            used = 0
+        batches[-1].append((first, count))
+        used += size
+    return batches
+
+
+def _slots_with_data(fd: int, slots: int, slot_bytes: int) -> list[int]:
+    """Slots whose header lies in a range ``SEEK_DATA`` reports (all where unsupported).
+
+    Ranges never written since the file was reserved read back as zeros, so a
+    tier opened half full reads only the headers of the slots it used.
+    """
+    out: list[int] = []
+    end = slots * slot_bytes
+    offset = 0
+    try:
+        while offset < end:
+            try:
+                start = os.lseek(fd, offset, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == _errno.ENXIO:
+                    break  # no data past offset
+                raise
+            stop = min(os.lseek(fd, start, os.SEEK_HOLE), end)
+            # Slots whose header [s*slot_bytes, s*slot_bytes + 4096) meets [start, stop).
+            first = max(0, (start - HEADER_BYTES) // slot_bytes + 1) if start >= HEADER_BYTES else 0
+            last = min(slots, -(-stop // slot_bytes))
+            if out and first <= out[-1]:
+                first = out[-1] + 1
+            out.extend(range(first, last))
+            offset = max(stop, offset + 1)
+    except OSError as exc:
+        if exc.errno not in (_errno.EINVAL, _errno.EOPNOTSUPP):
+            raise TierIOError(exc.errno or 0, f"cannot scan the slot file: {exc.strerror}") from exc
+        return list(range(slots))
+    return out
+
+
+def _reserve(fd: int, size: int, path: Path) -> None:
+    """Make the slot file exactly ``size`` bytes, its blocks allocated where supported."""
+    try:
+        current = os.fstat(fd).st_size
+        if current > size:
+            log.warning(
+                "file tier: %s shrinks from %d to %d bytes (a smaller budget); the blocks "
+                "past the new end are dropped",
+                path,
+                current,
+                size,
+            )
+            os.ftruncate(fd, size)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno not in (_errno.EOPNOTSUPP, _errno.EINVAL, _errno.ENOSYS):
+                raise
+            # No fallocate here (glibc's emulation cannot write through
+            # O_DIRECT): a sparse file, and ENOSPC comes with the writes.
+            log.warning("file tier: %s cannot be preallocated (%s)", path, exc.strerror)
+            os.ftruncate(fd, size)
+    except OSError as exc:
+        raise TierIOError(
+            exc.errno or 0, f"cannot reserve {size} bytes for the slot file: {exc.strerror}", path
+        ) from exc
+
+
+def _write_quarantine(qdir: Path, name: str, data: bytes) -> None:
+    try:
+        fd = os.open(
+            qdir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        log.error("file tier: cannot write the quarantine copy %s: %s", name, exc)
+        return
+    _trim_quarantine(qdir)
 
 
 def _make_dir(path: Path) -> None:
@@ -1261,7 +1370,7 @@ def _make_dir(path: Path) -> None:
         raise TierIOError(_errno.ENOTDIR, "not a directory (a symlink is refused)", path)
     if st.st_mode & 0o077 and st.st_uid == os.getuid():
         # Created by us with a umask that widened nothing, or by someone else:
-        # block files of a KV cache are private either way.
+        # the blocks of a KV cache are private either way.
         os.chmod(path, 0o700)
 
 
@@ -1271,11 +1380,8 @@ def _make_dirs(root: Path, ns_dir: Path) -> None:
             root.mkdir(mode=0o700, parents=True)
             os.chmod(root, 0o700)
         _make_dir(ns_dir)
-        for sub in ("blocks", "tmp", "quarantine"):
+        for sub in ("tmp", "quarantine"):
             _make_dir(ns_dir / sub)
-        blocks = ns_dir / "blocks"
-        for name in _FANOUT:
-            _make_dir(blocks / name)
     except OSError as exc:
         raise TierIOError(
             exc.errno or 0,
@@ -1300,16 +1406,31 @@ def _lock(ns_dir: Path) -> int:
     return fd
 
 
+def _discard_legacy(ns_dir: Path) -> None:
+    """Remove what a format-1 tier (one file per block) left; a cache can be refilled."""
+    shutil.rmtree(ns_dir / "blocks", ignore_errors=True)
+    _clean_tmp(ns_dir)
+
+
+def _clean_tmp(ns_dir: Path) -> None:
+    """Delete what a crash left in ``tmp/`` (probe files, a half-written description)."""
+    for entry in os.scandir(ns_dir / "tmp"):
+        with contextlib.suppress(OSError):
+            if not entry.is_dir(follow_symlinks=False):
+                os.unlink(entry.path)
+
+
 async def _check_or_write_description(
     ns_dir: Path, layout: KVLayout, block_bytes: int, alignment: int
 ) -> None:
     path = ns_dir / "namespace.json"
     desc = {
         "format": "kvtier file tier",
-        "format_version": FORMAT_VERSION,
+        "format_version": TIER_FORMAT_VERSION,
+        "layout_kind": "slots",
         "namespace": layout.namespace.hex(),
         "block_bytes": block_bytes,
-        "file_bytes": HEADER_BYTES + block_bytes,
+        "slot_bytes": HEADER_BYTES + block_bytes,
         "header_bytes": HEADER_BYTES,
         "alignment": alignment,
         "layout": layout.describe(),
@@ -1323,6 +1444,15 @@ async def _check_or_write_description(
         raise TierIOError(
             getattr(exc, "errno", 0) or 0, f"unreadable namespace.json: {exc}", path
         ) from exc
+    if existing is not None and existing.get("format_version") != TIER_FORMAT_VERSION:
+        log.warning(
+            "file tier: %s was written in format %s (one file per block); its blocks are "
+            "discarded and the directory is reused as a slot file",
+            ns_dir,
+            existing.get("format_version"),
+        )
+        await asyncio.to_thread(_discard_legacy, ns_dir)
+        existing = None
     if existing is not None:
         if (
             existing.get("block_bytes") != block_bytes
@@ -1383,60 +1513,6 @@ def _probe_direct_io(tmp_dir: Path, mode: str, alignment: int) -> str | None:
         raise DirectIOUnsupportedError(err or _errno.EINVAL, reason, tmp_dir)
     log.warning("file tier: %s; falling back to buffered I/O", reason)
     return reason
-
-
-@dataclass(slots=True)
-class _Scan:
-    found: list[tuple[int, bytes]] = field(default_factory=list)
-    bad: list[tuple[str, str, str]] = field(default_factory=list)
-    removed_tmp: int = 0
-
-
-_HEX = frozenset("0123456789abcdef")
-
-
-def _scan(ns_dir: Path, file_bytes: int) -> _Scan:
-    """Walk the namespace directory: temporaries removed, blocks listed, strays flagged."""
-    out = _Scan()
-    for entry in os.scandir(ns_dir / "tmp"):
-        with contextlib.suppress(OSError):
-            if entry.is_dir(follow_symlinks=False):
-                continue
-            os.unlink(entry.path)
-            out.removed_tmp += 1
-    for sub in _FANOUT:
-        for entry in os.scandir(ns_dir / "blocks" / sub):
-            name = entry.name
-            rel = f"blocks/{sub}/{name}"
-            if len(name) != 32 or not _HEX.issuperset(name) or name[:2] != sub:
-                out.bad.append((rel, f"{sub}-{name[:40]}", "stray"))
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if not entry.is_file(follow_symlinks=False):
-                out.bad.append((rel, name, "not-a-file"))
-            elif st.st_size != file_bytes:
-                out.bad.append((rel, name, "torn"))
-            else:
-                out.found.append((st.st_mtime_ns, bytes.fromhex(name)))
-    return out
-
-
-def _take_spare(src: str, name: str, ns_fd: int, tmp_fd: int, flags: int) -> int:
-    """Move an evicted block file to ``tmp/name`` and open it for overwriting.
-
-    Returns the descriptor, or -1 when the file was moved but cannot be opened
-    (it is then unlinked: a spare nobody can write is only a budget leak).
-    """
-    os.rename(src, name, src_dir_fd=ns_fd, dst_dir_fd=tmp_fd)
-    try:
-        return os.open(name, flags, dir_fd=tmp_fd)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(name, dir_fd=tmp_fd)
-        return -1
 
 
 def _trim_quarantine(qdir: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -267,12 +268,21 @@ async def test_corrupt_file_degrades_to_miss(tmp_path: Path) -> None:
         await engine.flush()
         await engine.store(keys_for(engine, 2, 1), [2, 3])  # evict from the CPU tier
         await engine.flush()
-        files = sorted((tmp_path / "tier").glob("*/blocks/*/*"))
-        assert files
-        for f in files:  # flip a byte in the payload of every block file
-            data = bytearray(f.read_bytes())
-            data[-100] ^= 0xFF
-            f.write_bytes(bytes(data))
+        (data_file,) = (tmp_path / "tier").glob("*/blocks.dat")
+        desc = json.loads((data_file.parent / "namespace.json").read_text())
+        slot_bytes = desc["slot_bytes"]
+        flipped = 0
+        with data_file.open("r+b") as f:  # flip a byte in the payload of every block
+            for offset in range(0, data_file.stat().st_size, slot_bytes):
+                f.seek(offset)
+                if not any(f.read(64)):
+                    continue  # a free slot
+                f.seek(offset + slot_bytes - 100)
+                byte = f.read(1)[0]
+                f.seek(offset + slot_bytes - 100)
+                f.write(bytes([byte ^ 0xFF]))
+                flipped += 1
+        assert flipped >= 2
         hits = engine.lookup(keys)
         assert hits == 2
         assert await engine.load(keys, [10, 11]) == 0

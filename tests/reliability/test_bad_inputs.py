@@ -37,6 +37,8 @@ from kvtier import (
 )
 from kvtier.engine import Engine
 from kvtier.testing.filesystems import refusing_direct_io_dir
+from kvtier.testing.slots import find_block
+from kvtier.tiers._format import HEADER_BYTES, BlockHeader, decode_header, encode_header
 
 sys.path.insert(0, str(Path(__file__).parent))
 from workload import (
@@ -113,15 +115,15 @@ async def closed_engine_call(ctx: Ctx, what: str) -> None:
 
 
 async def corrupt_header_then_load(ctx: Ctx) -> None:
-    """A block file whose header was overwritten is a miss, never served, and quarantined."""
+    """A block whose header was overwritten is a miss, never served, and quarantined."""
     k = keys(ctx, 1, salt=55)
     write_blocks(ctx.kv, k, [0, 1])
     await ctx.engine.store(k, [0, 1])
     await ctx.engine.flush()
-    (path,) = ctx.tmp.glob(f"tier/*/blocks/*/{k[0].hex()}")
+    path, offset = find_block(ctx.tmp / "tier", k[0])
     fd = os.open(path, os.O_WRONLY)
     try:
-        os.pwrite(fd, b"\xff\xff", 30)  # inside the header's key field
+        os.pwrite(fd, b"\xff\xff", offset + 30)  # inside the header's key field
     finally:
         os.close(fd)
     # Make the CPU copy go away so that the load must come from the file.
@@ -136,30 +138,44 @@ async def corrupt_header_then_load(ctx: Ctx) -> None:
 
 
 async def foreign_namespace_file(ctx: Ctx) -> None:
-    """A block file planted from another layout's namespace is never loaded."""
+    """A block planted from another layout's namespace is never loaded."""
     k = keys(ctx, 1, salt=66)
     write_blocks(ctx.kv, k, [0, 1])
     await ctx.engine.store(k, [0, 1])
     await ctx.engine.flush()
-    (path,) = ctx.tmp.glob(f"tier/*/blocks/*/{k[0].hex()}")
+    path, offset = find_block(ctx.tmp / "tier", k[0])
     other_kv = make_kv()
     other = make_layout(other_kv, model="other-model")
     other_cfg = file_config(ctx.tmp / "tier")
-    # The same bytes under the other namespace's directory, named for a key of it.
     engine = await Engine.open(other_cfg, other, other_kv)
     try:
         ok = chain_keys(list(range(engine.block_tokens)), engine.block_tokens, engine.namespace)
-        dest = ctx.tmp / "tier" / other.namespace.hex() / "blocks" / f"{ok[0][0]:02x}"
-        dest.mkdir(parents=True, exist_ok=True)
-        os.link(path, dest / ok[0].hex())
     finally:
         await engine.aclose()
+    # The same bytes in the first slot of the other namespace's slot file, with
+    # the key field rewritten to a key of that namespace (header checksum and
+    # all, so only the namespace field tells them apart).
+    with path.open("rb") as f:
+        f.seek(offset)
+        header = decode_header(memoryview(f.read(HEADER_BYTES)))
+    forged = bytearray(HEADER_BYTES)
+    encode_header(
+        memoryview(forged),
+        BlockHeader(ok[0], header.namespace, header.payload_bytes, header.payload_checksum),
+    )
+    other_file = ctx.tmp / "tier" / other.namespace.hex() / "blocks.dat"
+    fd = os.open(other_file, os.O_WRONLY)
+    try:
+        os.pwrite(fd, bytes(forged), 0)
+    finally:
+        os.close(fd)
     engine = await Engine.open(other_cfg, other, other_kv)
     try:
-        assert engine.lookup(ok) in (0, 1)
-        if engine.lookup(ok):
-            await engine.load(ok, [0, 1])  # a miss: loads 0 blocks, quarantines the file
-        await engine.load(ok, [0, 1])
+        st = engine.statistics().file
+        assert st is not None
+        assert st.quarantined == 1, "the foreign header is found and cleared at open"
+        assert engine.lookup(ok) == 0
+        await engine.load(ok, [0, 1])  # a miss: in no tier
     finally:
         await engine.aclose()
 

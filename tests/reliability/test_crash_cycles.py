@@ -1,10 +1,10 @@
 """Crash consistency: a writer killed with SIGKILL at random moments, 24 times.
 
 After every kill a new file tier opens the same root and must show: no
-temporary left behind, no torn block (nothing quarantined, every block it
-serves has the bytes stored for its key), every block whose store completed
-still there (less at most the victims of the one store that was in flight),
-and usage accounting equal to the bytes on disk.
+temporary left behind, no torn block (no torn slot, nothing quarantined, every
+block it serves has the bytes stored for its key), every block whose store
+completed still there (less at most the victims of the one store that was in
+flight), and usage accounting equal to the blocks in the slot file.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.config import FileTierConfig
+from kvtier.testing.slots import block_offsets
 from kvtier.tiers.file_tier import FileTier
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -91,11 +92,13 @@ async def check_root(root: Path, journal: Journal) -> tuple[int, int]:
         stats = tier.statistics()
         ns_dir = tier.path
         assert list((ns_dir / "tmp").iterdir()) == [], "a temporary survived the reopen"
-        assert stats.quarantined == 0, "a torn or foreign block file was found"
-        on_disk = [p for fan in (ns_dir / "blocks").iterdir() for p in fan.iterdir()]
-        assert stats.blocks == len(on_disk)
-        assert stats.used_bytes == sum(p.stat().st_size for p in on_disk)
-        assert {bytes.fromhex(p.name) for p in on_disk} <= journal.attempted
+        assert stats.torn_slots == 0, "a torn block was found"
+        assert stats.quarantined == 0, "a foreign block was found"
+        on_disk = block_offsets(ns_dir)
+        assert stats.blocks == stats.recovered_blocks == len(on_disk)
+        assert stats.used_bytes == len(on_disk) * stats.file_bytes
+        assert (ns_dir / "blocks.dat").stat().st_size == stats.capacity_bytes
+        assert set(on_disk) <= journal.attempted
         missing = {k for k in journal.stored if not tier.is_ready(k)}
         # The store in flight may have evicted up to its own size before it
         # could report the victims; nothing else may be missing.

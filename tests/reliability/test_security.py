@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import sys
 from pathlib import Path
 
-from kvtier import chain_keys
+import pytest
+
+from kvtier import TierIOError, chain_keys
+from kvtier.testing.slots import block_offsets
 
 sys.path.insert(0, str(Path(__file__).parent))
 from workload import BPC, make_kv, make_layout, open_engine, verify_everything, write_blocks
@@ -45,15 +49,25 @@ async def test_planted_symlinks_are_never_followed(tmp_path: Path) -> None:
     secret.write_bytes(b"do not touch" * 1000)
     before = secret.read_bytes()
     async with open_engine(root, cpu_rows=4) as (engine, kv):
+        ns = root / engine.namespace.hex()
+    # A symlink planted where the slot file goes: opening refuses it (O_NOFOLLOW)
+    # with a typed error instead of writing blocks into the target.
+    (ns / "blocks.dat").unlink()
+    (ns / "blocks.dat").symlink_to(secret)
+    with pytest.raises(TierIOError) as info:
+        async with open_engine(root, cpu_rows=4):
+            pass
+    assert info.value.errno == errno.ELOOP
+    assert secret.read_bytes() == before
+    # Symlinks planted in tmp/ (where a probe or namespace.json is written) are
+    # removed at open, never written through, and the tier works.
+    (ns / "blocks.dat").unlink()
+    (ns / "tmp" / f"namespace.json.{os.getpid()}").symlink_to(secret)
+    (ns / "tmp" / f"direct-probe.{os.getpid()}").symlink_to(secret)
+    async with open_engine(root, cpu_rows=4) as (engine, kv):
         keys = chain_keys(
             list(range(2 * engine.block_tokens)), engine.block_tokens, engine.namespace
         )
-        ns = root / engine.namespace.hex()
-        # A symlink planted where the first block's file will go, and one where a
-        # temporary could go: stores must not write through them.
-        fan = ns / "blocks" / f"{keys[0][0]:02x}"
-        fan.mkdir(parents=True, exist_ok=True)
-        (fan / keys[0].hex()).symlink_to(secret)
         write_blocks(kv, keys, list(range(2 * BPC)))
         await engine.store(keys, list(range(2 * BPC)))
         await engine.flush()
@@ -70,6 +84,7 @@ async def test_planted_symlinks_are_never_followed(tmp_path: Path) -> None:
         await engine.flush()
         assert await verify_everything(engine, kv, set(keys)) == 0
     assert secret.read_bytes() == before
+    assert not list((ns / "tmp").iterdir())
 
 
 async def test_keys_never_name_paths_outside_the_root(tmp_path: Path) -> None:
@@ -81,8 +96,16 @@ async def test_keys_never_name_paths_outside_the_root(tmp_path: Path) -> None:
         await engine.store(evil, list(range(3 * BPC)))
         await engine.flush()
         assert await verify_everything(engine, kv, set(evil)) == 0
-    names = {p.name for p in root.rglob("*") if p.is_file() and p.parent.parent.name == "blocks"}
-    assert names == {k.hex() for k in evil}
+    # No key ever becomes a path: the namespace holds exactly its fixed entries.
+    (ns,) = [p for p in root.iterdir() if p.is_dir()]
+    assert {p.name for p in ns.iterdir()} == {
+        "namespace.json",
+        "lock",
+        "blocks.dat",
+        "tmp",
+        "quarantine",
+    }
+    assert set(block_offsets(ns)) == set(evil)
     for p in root.rglob("*"):
         assert p.resolve().is_relative_to(root.resolve())
 

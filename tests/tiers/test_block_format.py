@@ -13,6 +13,7 @@ from kvtier.tiers._format import (
     checksum,
     decode_header,
     encode_header,
+    scan_header,
 )
 
 
@@ -21,12 +22,16 @@ from kvtier.tiers._format import (
     ns=st.binary(min_size=16, max_size=16),
     length=st.integers(min_value=0, max_value=2**40),
     check=st.integers(min_value=0, max_value=2**64 - 1),
+    at=st.integers(min_value=0, max_value=2**32 - 1),
 )
-def test_header_round_trip(key: bytes, ns: bytes, length: int, check: int) -> None:
+def test_header_round_trip(key: bytes, ns: bytes, length: int, check: int, at: int) -> None:
     buf = bytearray(os.urandom(HEADER_BYTES))  # stale bytes must not leak into a header
-    header = BlockHeader(key=key, namespace=ns, payload_bytes=length, payload_checksum=check)
+    header = BlockHeader(
+        key=key, namespace=ns, payload_bytes=length, payload_checksum=check, stored_at=at
+    )
     encode_header(memoryview(buf), header)
     assert decode_header(memoryview(buf)) == header
+    assert scan_header(memoryview(buf)) == (key, ns, length, at)
     assert buf[80:] == bytes(HEADER_BYTES - 80)
 
 
@@ -38,6 +43,11 @@ def test_header_round_trip(key: bytes, ns: bytes, length: int, check: int) -> No
 def test_any_flipped_header_byte_is_refused(at: int, match: str) -> None:
     buf = bytearray(HEADER_BYTES)
     encode_header(memoryview(buf), BlockHeader(bytes(16), bytes(16), 4096, 1))
+    good = bytes(buf)
+    buf[at] ^= 0x01
+    with pytest.raises(HeaderError):
+        scan_header(memoryview(buf))  # the scan at open refuses what decode refuses
+    buf[:] = good
     buf[at] ^= 0x40
     with pytest.raises(HeaderError, match=match):
         decode_header(memoryview(buf))
