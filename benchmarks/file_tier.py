@@ -15,12 +15,13 @@ What is measured, for block sizes 64 KiB, 256 KiB, 2 MiB, 8 MiB:
   kvtier's buffers below are made. Without a C compiler fio runs on 4 KiB
   pages and the script says so.
 * kvtier's :class:`~kvtier.tiers.file_tier.FileTier`, both I/O engines, at the
-  same depths: storing then loading the same number of bytes as whole block
-  files (temporary name, O_DIRECT write, rename; open, read, header and XXH3
-  verification), from and into an anonymous ``MAP_PRIVATE`` mapping with
+  same depths: storing then loading the same number of bytes as whole blocks
+  in the slots of its preallocated file (XXH3 of the payload, one O_DIRECT
+  write of header and payload; one read, header and XXH3 verification), from
+  and into an anonymous ``MAP_PRIVATE`` mapping with
   ``MADV_HUGEPAGE``. CPU seconds per GB come from ``getrusage`` (all threads,
   kernel time included).
-* the I/O engines alone (no files created, no checksums) at 64 KiB, to
+* the I/O engines alone (no headers, no checksums) at 64 KiB, to
   compare their own CPU cost per GB.
 * XXH3-64 throughput, and the time to reopen a tier of ``--recovery`` blocks.
 
@@ -416,8 +417,8 @@ def main() -> None:
                 line += " " + " / ".join(f"{spread(n):.0%}" if n else "-" for n in noise) + " |"
                 print(line)
     print("(* = the depth suggested_queue_depth() picks for that block size)")
-    print("write = full tier, each store evicts a block and overwrites its file (steady state);")
-    print("fill = empty tier, each store creates a file (compared with fio writes)")
+    print("write = full tier, each store evicts a block and overwrites its slot (steady state);")
+    print("fill = empty tier, each store writes a never-written slot (compared with fio writes)")
     print("spread = (max - min) / median of the GB/s over the repeats")
 
     print()
