@@ -385,7 +385,7 @@ class FileTier:
         self._sync_waiting: list[_BlockOp] = []
         self._sync_running: list[_BlockOp] | None = None
         self._worker = _Worker(self._loop)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._quarantining = 0
         self._closed = False
         self._idle: asyncio.Future[None] | None = None
         self._quarantine_seq = 0
@@ -793,8 +793,6 @@ class FileTier:
             if self._idle is None:
                 self._idle = self._loop.create_future()
             await asyncio.shield(self._idle)
-        if self._tasks:
-            await asyncio.shield(asyncio.gather(*self._tasks, return_exceptions=True))
         if not first:
             return
         self._worker.close()
@@ -1051,6 +1049,7 @@ class FileTier:
             or self._zeroing
             or self._sync_waiting
             or self._sync_running is not None
+            or self._quarantining
         )
 
     def _check_idle(self) -> None:
@@ -1102,7 +1101,7 @@ class FileTier:
         except Exception as exc:
             self._zeroed(slot, exc)
             return
-        done.add_done_callback(lambda c: self._zeroed(slot, c.exception()))
+        done.add_done_callback(lambda c: self._zeroed(slot, _short_or_error(c, HEADER_BYTES)))
 
     def _zeroed(self, slot: int, exc: BaseException | None) -> None:
         if exc is not None:
@@ -1120,11 +1119,16 @@ class FileTier:
         self._quarantined += 1
         name = f"{op.key.hex()}.{time.time_ns()}.{self._quarantine_seq}.{reason}"
         log.warning("file tier: slot %d (block %s) quarantined as %s", op.slot, op.key.hex(), name)
-        task = self._loop.create_task(
-            asyncio.to_thread(_write_quarantine, self._dir / "quarantine", name, data)
-        )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        qdir = self._dir / "quarantine"
+        self._quarantining += 1
+        # On the tier's one thread: copies are written and trimmed one at a time.
+        self._worker.submit(lambda: _write_quarantine(qdir, name, data), self._quarantine_done)
+
+    def _quarantine_done(self, _result: object, exc: Exception | None) -> None:
+        self._quarantining -= 1
+        if exc is not None:
+            log.error("file tier: quarantine copy failed: %s", exc)
+        self._check_idle()
 
     # -- recovery -----------------------------------------------------------------------
 
@@ -1135,6 +1139,7 @@ class FileTier:
         )
         found: dict[bytes, tuple[int, int]] = {}  # key -> (stored_at, file slot)
         bad: list[int] = []
+        stale: list[int] = []
         span = self._file_bytes
         batches = _scan_batches(candidates, span)
         buffer = mmap.mmap(-1, 2 * _SCAN_BUFFER)
@@ -1174,7 +1179,7 @@ class FileTier:
                         offset = i * span
                         header = view[at + offset : at + offset + HEADER_BYTES]
                         valid = HEADER_BYTES if got >= offset + HEADER_BYTES else 0
-                        self._classify(first + i, header, valid, found, bad)
+                        self._classify(first + i, header, valid, found, bad, stale)
                     at += size
         finally:
             # Slices of the buffer may still be referenced by finished
@@ -1182,7 +1187,7 @@ class FileTier:
             with contextlib.suppress(BufferError):
                 view.release()
                 buffer.close()
-        for slot in bad:
+        for slot in bad + stale:
             self._zero_slot(slot)
         self._restore(found)
         if self._zeroing:
@@ -1211,6 +1216,7 @@ class FileTier:
         got: int,
         found: dict[bytes, tuple[int, int]],
         bad: list[int],
+        stale: list[int],
     ) -> None:
         if got == HEADER_BYTES and page[:8] != _ZERO_PAGE[:8]:
             try:
@@ -1226,9 +1232,15 @@ class FileTier:
             else:
                 prev = found.get(key)
                 # Two slots may hold one key (evicted, stored again, then a
-                # crash): both are valid; keep the newer.
-                if prev is None or prev[0] < stored_at:
+                # crash): both are valid; keep the newer and clear the other,
+                # or it would come back once the newer is removed.
+                if prev is None:
                     found[key] = (stored_at, slot)
+                elif prev[0] < stored_at:
+                    found[key] = (stored_at, slot)
+                    stale.append(prev[1])
+                else:
+                    stale.append(slot)
         elif got == HEADER_BYTES and page != _ZERO_PAGE:
             self._torn += 1  # a header without its magic: a write cut short
             bad.append(slot)
@@ -1239,7 +1251,9 @@ class FileTier:
         mapping = [-1] * self._slots
         taken: set[int] = set()
         for i in range(0, len(order), _RECOVERY_BATCH):
-            batch = order[i : i + _RECOVERY_BATCH]
+            # The manager takes the first key of a call as the most recent:
+            # each batch goes newest first, the batches oldest first.
+            batch = order[i : i + _RECOVERY_BATCH][::-1]
             plan = self._manager.prepare_store(batch)
             if plan is None or plan.evicted:
                 # Cannot happen: at most one block per file slot was found.
@@ -1257,6 +1271,14 @@ class FileTier:
 
 
 _ZERO_PAGE = bytes(HEADER_BYTES)
+
+
+def _short_or_error(done: Completion[int], want: int) -> BaseException | None:
+    """The request's error, an error for a short transfer, or None."""
+    exc = done.exception()
+    if exc is None and done.result() != want:
+        exc = OSError(_errno.EIO, f"short write: {done.result()} of {want} bytes")
+    return exc
 
 
 # -- helpers (run in worker threads where they touch the disk) -------------------------
@@ -1516,12 +1538,16 @@ def _probe_direct_io(tmp_dir: Path, mode: str, alignment: int) -> str | None:
 
 
 def _trim_quarantine(qdir: Path) -> None:
+    """Delete all but the newest :data:`_QUARANTINE_KEEP` files of ``qdir``."""
+    aged: list[tuple[int, str]] = []
     try:
-        entries = sorted(os.scandir(qdir), key=lambda e: e.stat(follow_symlinks=False).st_mtime_ns)
+        for entry in os.scandir(qdir):
+            with contextlib.suppress(OSError):  # gone meanwhile: nothing to trim
+                if entry.is_file(follow_symlinks=False):
+                    aged.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.path))
     except OSError:
         return
-    for entry in entries[: max(0, len(entries) - _QUARANTINE_KEEP)]:
+    aged.sort()
+    for _, path in aged[: max(0, len(aged) - _QUARANTINE_KEEP)]:
         with contextlib.suppress(OSError):
-            if entry.is_dir(follow_symlinks=False):
-                continue
-            os.unlink(entry.path)
+            os.unlink(path)
