@@ -99,7 +99,8 @@ class FileTierConfig(_Frozen):
     root: Path
     """Directory holding the tier (created with mode 0700 if missing)."""
     bytes_to_use: Bytes
-    """Hard budget for block files on disk, in bytes (accepts ``"64GiB"``)."""
+    """Hard budget on disk, in bytes (accepts ``"64GiB"``): whole slots of a 4 KiB
+    header plus one block, reserved for the tier's slot file at open."""
     write_policy: WritePolicy = "write_through"
     """``write_through``: every stored block is also written to disk;
     ``write_back``: a block goes to disk only when the CPU tier evicts it."""
@@ -113,9 +114,9 @@ class FileTierConfig(_Frozen):
     queue_depth: int = Field(default=32, ge=1, le=4096)
     """Most I/O requests in flight at once."""
     durability: DurabilityMode = "none"
-    """``fsync``: fsync each block file and its directory before it becomes
-    visible (survives power loss, costs a flush per block); ``none``: survives a
-    process crash, not a power loss."""
+    """``fsync``: the slot file is fsynced before a written block becomes visible
+    (survives power loss; one flush per group of blocks written meanwhile);
+    ``none``: survives a process crash, not a power loss."""
 
 
 class KVTierConfig(_Frozen):
