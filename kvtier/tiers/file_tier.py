@@ -1077,10 +1077,11 @@ class FileTier:
 
     def _forget(self, keys: list[bytes]) -> None:
         """Drop ready blocks (bad or unwanted) and zero their slots once no load reads them."""
-        file_slot, slot_of = self._file_slot, self._manager.slot_of
-        slots = [file_slot[slot_of(k) or 0] for k in keys]  # ready keys: never None
+        slots = {k: self.slot_of(k) for k in keys}
         self._manager.remove(keys)
-        for key, slot in zip(keys, slots, strict=True):
+        for key, slot in slots.items():
+            if slot is None:
+                continue  # not resident: nothing on disk is ours to clear
             if key in self._manager:
                 self._zero_when_free[key] = slot  # a load still reads it
             else:
