@@ -92,12 +92,6 @@ class TierCounters:
         return self.bytes_out / self.seconds_out / 1e9 if self.seconds_out else 0.0
 
 
-_FLUSH_QUIET_ROUNDS = 8
-"""Loop iterations :meth:`Engine.flush` lets pass with nothing pending before it
-returns: more than the deepest chain of done callbacks in the engine (a file
-write's completion, its tier callback, the engine's wrapper, the unpin)."""
-
-
 @dataclass(frozen=True, slots=True)
 class EngineStatistics:
     """A snapshot of every tier and of the engine's own counters."""
@@ -587,11 +581,23 @@ class Engine:
         if self._file is None or self._write_back or self._closed:
             return
         plan = self._cpu.prepare_load(keys)  # pin: the rows must not be reused meanwhile
-        done = self._file_store(keys, [self._region.row(s) for s in plan.slots])
-        done.add_done_callback(lambda _c: self._cpu.complete_load(keys))
+        self._file_store(
+            keys,
+            [self._region.row(s) for s in plan.slots],
+            then=lambda: self._cpu.complete_load(keys),
+        )
 
-    def _file_store(self, keys: Sequence[bytes], rows: list[memoryview]) -> Completion[None]:
-        """Write rows to the file tier; failures are counted and logged, never raised."""
+    def _file_store(
+        self,
+        keys: Sequence[bytes],
+        rows: list[memoryview],
+        then: Callable[[], object] | None = None,
+    ) -> Completion[None]:
+        """Write rows to the file tier; failures are counted and logged, never raised.
+
+        ``then`` runs once the write is over, *before* the returned completion
+        resolves: whatever waits for it (``flush``) sees the rows unpinned.
+        """
         assert self._file is not None
         out: Completion[None] = Completion()
         try:
@@ -599,6 +605,8 @@ class Engine:
         except KVTierError as exc:
             self._n["write_through_failures"] += len(keys)
             log.warning("file tier refused %d blocks: %s", len(keys), exc)
+            if then is not None:
+                then()
             out.set_result(None)
             return out
         self._t_file.begin(True)
@@ -615,6 +623,8 @@ class Engine:
                 self._n["write_through_failures"] += len(result.failed)
                 for key, err in list(result.failed.items())[:3]:
                     log.warning("file tier write of %s failed: %s", key.hex(), err)
+            if then is not None:
+                then()
             out.set_result(None)
 
         comp.add_done_callback(finished)
@@ -641,26 +651,20 @@ class Engine:
         those blocks to other work.
         """
         self._check_open()
-        quiet = 0
         while True:
             # Only what is not done yet: awaiting a done completion does not yield,
             # and a done write leaves the set only when its callback has run, so
             # waiting on those would spin without ever letting the callback run.
             # Stores in flight start more file writes when their copy completes.
+            # Every tracked completion resolves after the state changes of its
+            # step (rows unpinned, blocks completed), so nothing is left to run
+            # once none is pending.
             jobs = {j.done for j in self._inflight.values()}
             pending = [c for c in (*self._file_writes, *jobs, *self._pending) if not c.done()]
-            if pending:
-                quiet = 0
-                for c in pending:
-                    await _settle(c)
-                continue
-            if quiet == _FLUSH_QUIET_ROUNDS:
+            if not pending:
                 return
-            # A done completion's callbacks (which unpin rows and may start the
-            # next step) run on later loop iterations: the soak caught pins still
-            # held when flush returned. Each round lets one level of them run.
-            quiet += 1
-            await asyncio.sleep(0)
+            for c in pending:
+                await _settle(c)
 
     # -- load ---------------------------------------------------------------------------
 
@@ -768,13 +772,17 @@ class Engine:
             lambda: self._xfer.load(slots, _prefix_ids(ids, n * self._bpc - skip), skip)
         )
         nbytes = n * self._layout.bytes_per_chunk
+        # What flush waits for: done only after the rows are unpinned, not when
+        # the copy is (its done callbacks run a loop iteration later).
+        settled: Completion[None] = Completion()
 
         def copied(c: Completion[None]) -> None:
             self._cpu.complete_load(used)
             self._t_cpu.end(False, nbytes if c.exception() is None else 0)
+            settled.set_result(None)
 
         copy.add_done_callback(copied)
-        self._track(copy)
+        self._track(settled)
         await copy
         return n
 
