@@ -605,9 +605,11 @@ class Engine:
         except KVTierError as exc:
             self._n["write_through_failures"] += len(keys)
             log.warning("file tier refused %d blocks: %s", len(keys), exc)
-            if then is not None:
-                then()
-            out.set_result(None)
+            try:
+                if then is not None:
+                    then()
+            finally:
+                out.set_result(None)
             return out
         self._t_file.begin(True)
 
@@ -623,9 +625,11 @@ class Engine:
                 self._n["write_through_failures"] += len(result.failed)
                 for key, err in list(result.failed.items())[:3]:
                     log.warning("file tier write of %s failed: %s", key.hex(), err)
-            if then is not None:
-                then()
-            out.set_result(None)
+            try:
+                if then is not None:
+                    then()
+            finally:
+                out.set_result(None)  # never leave flush waiting
 
         comp.add_done_callback(finished)
         self._file_writes.add(out)
@@ -777,9 +781,11 @@ class Engine:
         settled: Completion[None] = Completion()
 
         def copied(c: Completion[None]) -> None:
-            self._cpu.complete_load(used)
-            self._t_cpu.end(False, nbytes if c.exception() is None else 0)
-            settled.set_result(None)
+            try:
+                self._cpu.complete_load(used)
+                self._t_cpu.end(False, nbytes if c.exception() is None else 0)
+            finally:
+                settled.set_result(None)  # never leave flush waiting
 
         copy.add_done_callback(copied)
         self._track(settled)
