@@ -580,6 +580,11 @@ class Engine:
         """Start writing freshly stored CPU blocks to the file tier (write-through)."""
         if self._file is None or self._write_back or self._closed:
             return
+        if self._file.recovering:
+            # It refuses every store until its slots are known: do not pin rows
+            # (or log a warning per call) for writes that cannot happen.
+            self._n["write_through_failures"] += len(keys)
+            return
         plan = self._cpu.prepare_load(keys)  # pin: the rows must not be reused meanwhile
         self._file_store(
             keys,

@@ -176,8 +176,10 @@ class FileTierStatistics:
     quarantined: int
     """Blocks that failed verification since the tier was opened, and slots
     found at open with a header of another namespace."""
-    recovery: Literal["complete"]
-    """State of the rebuild from the slot file; it finishes inside :meth:`FileTier.open`."""
+    recovery: Literal["running", "complete", "failed"]
+    """State of the rebuild from the slot file: it finishes inside
+    :meth:`FileTier.open` with ``recovery="foreground"``; with ``"background"``
+    it is ``"running"`` until :meth:`FileTier.wait_recovered` would return."""
     recovered_blocks: int
     """Blocks found valid at open."""
     recovery_seconds: float
@@ -406,6 +408,8 @@ class FileTier:
         self._recovered = 0
         self._recovery_seconds = 0.0
         self._torn = 0
+        self._recovery: Literal["running", "complete", "failed"] = "complete"
+        self._recovery_task: asyncio.Task[None] | None = None
 
     # -- opening ------------------------------------------------------------------------
 
@@ -473,6 +477,12 @@ class FileTier:
         ``SEEK_DATA``): valid blocks become resident, oldest first, and
         invalid headers (interrupted writes) are zeroed. A directory of
         format version 1 (one file per block) is discarded with a warning.
+
+        With ``config.recovery="background"`` that scan runs after ``open``
+        returns: until it ends the tier knows no block (lookups miss, loads
+        report every key missing), refuses stores (each key fails with
+        :class:`~kvtier.errors.BusyError`) and ignores :meth:`remove`; see
+        :meth:`wait_recovered`.
         """
         if not 512 <= alignment <= HEADER_BYTES or alignment & (alignment - 1):
             raise InvalidArgumentError(
@@ -541,6 +551,10 @@ class FileTier:
             if engine is not None and io_engine is None:
                 await engine.aclose()
             raise
+        if config.recovery == "background":
+            tier._recovery = "running"
+            tier._recovery_task = tier._loop.create_task(tier._recover_in_background())
+            return tier
         try:
             await tier._recover()
         except BaseException:
@@ -564,6 +578,29 @@ class FileTier:
     def closed(self) -> bool:
         """True once :meth:`aclose` has started."""
         return self._closed
+
+    @property
+    def recovering(self) -> bool:
+        """True while a background recovery runs (the tier knows no block yet)."""
+        return self._recovery == "running"
+
+    async def wait_recovered(self) -> None:
+        """Wait until the blocks in the slot file are known (``recovery="background"``).
+
+        Returns at once when recovery ran inside :meth:`open`. Cancelling the
+        caller does not stop the recovery.
+
+        Raises
+        ------
+        TierIOError
+            When the recovery failed (the tier then stays empty and refuses
+            stores); the cause is chained and logged.
+        """
+        task = self._recovery_task
+        if task is not None and not task.done():
+            await asyncio.shield(task)
+        if self._recovery == "failed":
+            raise TierIOError(_errno.EIO, "the file tier's recovery failed", self._dir)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Length of the longest prefix of ``keys`` that is ready here; no I/O."""
@@ -622,7 +659,7 @@ class FileTier:
             direct_io_fallback=self._direct_fallback,
             durability=self._config.durability,
             quarantined=self._quarantined,
-            recovery="complete",
+            recovery=self._recovery,
             recovered_blocks=self._recovered,
             recovery_seconds=self._recovery_seconds,
             torn_slots=self._torn,
@@ -670,6 +707,12 @@ class FileTier:
         """
         views = self._check_call(keys, buffers)
         done: Completion[StoreResult] = Completion(self._loop)
+        if self._recovery != "complete":
+            # Which slots hold blocks is not known yet: any write could destroy one.
+            busy = BusyError(f"the file tier is {self._recovery_text()}: stores are refused")
+            self._store_failures += len(keys)
+            done.set_result(StoreResult(stored=(), skipped=(), failed=dict.fromkeys(keys, busy)))
+            return done
         plan = self._manager.prepare_store(list(keys))
         if plan is None:
             present = tuple(k for k in keys if k in self._manager)
@@ -746,9 +789,10 @@ class FileTier:
         done: Completion[LoadResult] = Completion(self._loop)
         ready = [k for k in keys if self._manager.is_ready(k)]
         job = _Job(done, store=False, remaining=len(ready), order=tuple(keys))
+        where = "file tier" if self._recovery == "complete" else self._recovery_text()
         for k in keys:
             if not self._manager.is_ready(k):
-                job.failed[k] = BlockNotFoundError(f"block {k.hex()} is not in the file tier")
+                job.failed[k] = BlockNotFoundError(f"block {k.hex()} is not in the {where}")
         if ready:
             plan = self._manager.prepare_load(ready)
             by_key = dict(zip(keys, views, strict=True))
@@ -786,11 +830,17 @@ class FileTier:
         -----
         Queued and running stores and loads finish first (their buffers are in
         the kernel's hands); calls made after ``aclose`` started raise
-        :class:`~kvtier.errors.ClosedError`. Cancelling the caller does not
-        stop the close from completing in the background.
+        :class:`~kvtier.errors.ClosedError`. A background recovery is stopped
+        (the slot file is left as it was). Cancelling the caller does not stop
+        the close from completing in the background.
         """
         first = not self._closed
         self._closed = True
+        task = self._recovery_task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(task)
         if self._busy_now():
             if self._idle is None:
                 self._idle = self._loop.create_future()
@@ -1134,6 +1184,25 @@ class FileTier:
         self._check_idle()
 
     # -- recovery -----------------------------------------------------------------------
+
+    def _recovery_text(self) -> str:
+        return (
+            "file tier, still recovering"
+            if self._recovery == "running"
+            else ("file tier, whose recovery failed")
+        )
+
+    async def _recover_in_background(self) -> None:
+        try:
+            await self._recover()
+        except asyncio.CancelledError:
+            self._recovery = "failed"  # stopped by aclose
+            raise
+        except Exception:
+            log.exception("file tier %s: recovery failed; the tier stays empty", self._dir)
+            self._recovery = "failed"
+        else:
+            self._recovery = "complete"
 
     async def _recover(self) -> None:
         started = time.perf_counter()

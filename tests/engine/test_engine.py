@@ -25,6 +25,8 @@ from kvtier import (
     chain_keys,
 )
 from kvtier.engine import Engine
+from kvtier.testing.faults import FaultPlan, FaultyIOEngine
+from kvtier.transfer.io_engine import IOEngine, open_io_engine
 
 NUM_BLOCKS = 64
 
@@ -70,6 +72,8 @@ async def engine_for(
     policy: str = "lru",
     kind: str = "kv_first",
     io_engine: str = "auto",
+    recovery: str = "foreground",
+    io: IOEngine | None = None,
 ) -> AsyncIterator[tuple[Engine, list[torch.Tensor]]]:
     kv = make_kv(kind)
     layout = KVLayout.from_tensors(
@@ -83,6 +87,7 @@ async def engine_for(
             bytes_to_use=file_rows * (row + 4096) + 4096,
             write_policy=write_policy,
             io_engine=io_engine,
+            recovery=recovery,
         )
     config = KVTierConfig(
         cpu_bytes_to_use=cpu_rows * row,
@@ -90,7 +95,7 @@ async def engine_for(
         eviction_policy=policy,
         file_tier=file_tier,
     )
-    engine = await Engine.open(config, layout, kv)
+    engine = await Engine.open(config, layout, kv, io_engine=io)
     try:
         yield engine, kv
     finally:
@@ -305,6 +310,43 @@ async def test_restart_finds_blocks(tmp_path: Path) -> None:
             await asyncio.sleep(0.01)  # recovery may run in the background
         assert await engine.load(keys, list(range(20, 25))) == 5
         assert same(snapshot(kv, list(range(20, 25))), want)
+
+
+async def test_restart_with_background_recovery(tmp_path: Path) -> None:
+    async with engine_for(tmp_path) as (engine, kv):
+        keys = keys_for(engine, 5)
+        fill(kv, list(range(5)), seed=6)
+        want = snapshot(kv, list(range(5)))
+        await engine.store(keys, list(range(5)))
+        await engine.flush()
+    # Every read of the reopened tier completes 0.3 s late, so the recovery
+    # is certainly still running while the blocks below are stored.
+    slow = FaultyIOEngine(
+        await open_io_engine("auto", queue_depth=8),
+        FaultPlan(seed=1, rates={"latency": 1.0}, latency_s=0.3),
+    )
+    async with engine_for(tmp_path, recovery="background", io=slow) as (engine, kv):
+        st = engine.statistics().file
+        assert st is not None
+        assert st.recovery == "running"
+        assert engine.lookup(keys) == 0  # not known yet
+        # Stored meanwhile: served from the CPU tier, not written through (the
+        # file tier refuses stores until it knows its slots), nothing pinned.
+        others = keys_for(engine, 2, 7)
+        fill(kv, [10, 11], seed=8)
+        await engine.store(others, [10, 11])
+        await engine.flush()
+        after = engine.statistics()
+        assert after.write_through_failures == 2
+        assert after.cpu.pinned == 0
+        for _ in range(500):
+            if engine.lookup(keys) == 5:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.statistics().file.recovery == "complete"  # type: ignore[union-attr]
+        assert await engine.load(keys, list(range(20, 25))) == 5
+        assert same(snapshot(kv, list(range(20, 25))), want)
+    await slow.aclose()
 
 
 async def test_close_is_idempotent_and_final(tmp_path: Path) -> None:
