@@ -296,13 +296,19 @@ async def test_corrupt_file_degrades_to_miss(tmp_path: Path) -> None:
         assert_quiescent(engine)
 
 
-async def test_restart_finds_blocks(tmp_path: Path) -> None:
+async def stored_and_closed(tmp_path: Path, seed: int) -> tuple[list[bytes], list[torch.Tensor]]:
+    """Store 5 blocks through an engine, close it; their keys and bytes."""
     async with engine_for(tmp_path) as (engine, kv):
         keys = keys_for(engine, 5)
-        fill(kv, list(range(5)), seed=4)
+        fill(kv, list(range(5)), seed=seed)
         want = snapshot(kv, list(range(5)))
         await engine.store(keys, list(range(5)))
         await engine.flush()
+    return keys, want
+
+
+async def test_restart_finds_blocks(tmp_path: Path) -> None:
+    keys, want = await stored_and_closed(tmp_path, seed=4)
     async with engine_for(tmp_path) as (engine, kv):
         for _ in range(200):
             if engine.lookup(keys) == 5:
@@ -313,12 +319,7 @@ async def test_restart_finds_blocks(tmp_path: Path) -> None:
 
 
 async def test_restart_with_background_recovery(tmp_path: Path) -> None:
-    async with engine_for(tmp_path) as (engine, kv):
-        keys = keys_for(engine, 5)
-        fill(kv, list(range(5)), seed=6)
-        want = snapshot(kv, list(range(5)))
-        await engine.store(keys, list(range(5)))
-        await engine.flush()
+    keys, want = await stored_and_closed(tmp_path, seed=6)
     # Every read of the reopened tier completes 0.3 s late, so the recovery
     # is certainly still running while the blocks below are stored.
     slow = FaultyIOEngine(
