@@ -588,15 +588,23 @@ async def test_write_error_fails_that_block_only(
     await faulty.aclose()
 
 
+async def one_block_tier(
+    open_tier: OpenTier, engine_kind: EngineKind
+) -> tuple[FaultyEngine, FileTier, Path]:
+    """A one-slot tier on a fault-injecting engine, holding ``keys(2)[0]``."""
+    faulty = FaultyEngine(await open_io_engine(engine_kind, queue_depth=4))
+    tier = await open_tier(io_engine=faulty, blocks=1)
+    old = keys(2)[0]
+    await tier.store([old], pattern_rows([old]).rows())
+    return faulty, tier, data_file(tier)
+
+
 @pytest.mark.parametrize("fault", ["EIO", "short"])
 async def test_failed_store_leaves_a_zero_header(
     open_tier: OpenTier, engine_kind: EngineKind, fault: str
 ) -> None:
-    faulty = FaultyEngine(await open_io_engine(engine_kind, queue_depth=4))
-    tier = await open_tier(io_engine=faulty, blocks=1)
-    path = data_file(tier)
+    faulty, tier, path = await one_block_tier(open_tier, engine_kind)
     old, new = keys(2)
-    await tier.store([old], pattern_rows([old]).rows())
     assert slot_payload(path, 0, old) == pattern(old)
     if fault == "EIO":
         faulty.inject("write", err=errno.EIO)  # nothing of the new block is written
@@ -712,20 +720,31 @@ async def test_restart_recovers_residency_and_usage(open_tier: OpenTier) -> None
     assert third.statistics().quarantined == 0
 
 
-async def test_restart_keeps_the_newer_of_two_copies(open_tier: OpenTier) -> None:
-    tier = await open_tier(blocks=4)
+async def reopen_with_slots(
+    open_tier: OpenTier, blocks: int, slots: list[tuple[bytes, bytes, int]]
+) -> tuple[FileTier, Path]:
+    """Write ``(key, payload, seconds ago)`` into slots 0, 1, ... of a closed tier; reopen it.
+
+    A crash-like state made by hand (several copies of a key, any store order).
+    """
+    tier = await open_tier(blocks=blocks)
     path = data_file(tier)
     await tier.aclose()
-    # A crash-like state written by hand: b in two slots (evicted, stored
-    # again elsewhere, then a crash before its old slot was overwritten), the
-    # older copy with other bytes and in the later slot.
+    now = int(time.time())
+    for slot, (key, payload, ago) in enumerate(slots):
+        write_at(path, slot * FILE, make_slot(key, payload, stored_at=now - ago))
+    return await open_tier(blocks=blocks), path
+
+
+async def test_restart_keeps_the_newer_of_two_copies(open_tier: OpenTier) -> None:
+    # b in two slots (evicted, stored again elsewhere, then a crash before its
+    # old slot was overwritten), the older copy with other bytes and in the
+    # later slot.
     a, b, c = keys(3)
-    t = int(time.time()) - 1000
     old_b = bytes([0xAB]) * BLOCK
-    write_at(path, 0 * FILE, make_slot(a, pattern(a), stored_at=t + 10))
-    write_at(path, 1 * FILE, make_slot(b, pattern(b), stored_at=t + 20))
-    write_at(path, 2 * FILE, make_slot(b, old_b, stored_at=t + 5))
-    again = await open_tier(blocks=4)
+    again, path = await reopen_with_slots(
+        open_tier, 4, [(a, pattern(a), 990), (b, pattern(b), 980), (b, old_b, 995)]
+    )
     stats = again.statistics()
     assert stats.recovered_blocks == 2
     assert stats.blocks == 2
@@ -744,20 +763,15 @@ async def test_restart_keeps_the_newer_of_two_copies(open_tier: OpenTier) -> Non
 
 
 async def test_restart_orders_blocks_by_store_time(open_tier: OpenTier) -> None:
-    tier = await open_tier(blocks=3)
-    path = data_file(tier)
-    await tier.aclose()
     # Slots in reverse order of age: the scan meets the newest block first.
     a, b, c = keys(3)
-    t = int(time.time()) - 1000
-    write_at(path, 0 * FILE, make_slot(c, pattern(c), stored_at=t + 30))
-    write_at(path, 1 * FILE, make_slot(b, pattern(b), stored_at=t + 20))
-    write_at(path, 2 * FILE, make_slot(a, pattern(a), stored_at=t + 10))
-    again = await open_tier(blocks=3)
+    again, _ = await reopen_with_slots(
+        open_tier, 3, [(c, pattern(c), 970), (b, pattern(b), 980), (a, pattern(a), 990)]
+    )
     assert again.statistics().recovered_blocks == 3
     assert [slot_of(again, k) for k in (a, b, c)] == [2, 1, 0]
     # Under LRU the oldest store goes first: a, then b, then c.
-    evicted = []
+    evicted: list[bytes] = []
     for k in keys(3, salt=1):
         result = await again.store([k], pattern_rows([k]).rows())
         assert result.stored == (k,)
@@ -768,16 +782,11 @@ async def test_restart_orders_blocks_by_store_time(open_tier: OpenTier) -> None:
 async def test_removed_block_stays_gone_when_an_older_copy_was_on_disk(
     open_tier: OpenTier,
 ) -> None:
-    tier = await open_tier(blocks=4)
-    path = data_file(tier)
-    await tier.aclose()
-    # b in two slots, as a crash can leave it (see the test above).
+    # b in two slots, as a crash can leave it (see the tests above).
     a, b = keys(2)
-    t = int(time.time()) - 1000
-    write_at(path, 0 * FILE, make_slot(a, pattern(a), stored_at=t + 10))
-    write_at(path, 1 * FILE, make_slot(b, pattern(b), stored_at=t + 20))
-    write_at(path, 2 * FILE, make_slot(b, pattern(b), stored_at=t + 5))
-    again = await open_tier(blocks=4)
+    again, path = await reopen_with_slots(
+        open_tier, 4, [(a, pattern(a), 990), (b, pattern(b), 980), (b, pattern(b), 995)]
+    )
     assert slot_of(again, b) == 1
     again.remove([b])
     await again.aclose()
@@ -819,11 +828,8 @@ async def test_smaller_budget_truncates_the_slot_file(open_tier: OpenTier) -> No
 async def test_evicted_slot_not_reused_comes_back_after_restart(
     open_tier: OpenTier, engine_kind: EngineKind
 ) -> None:
-    faulty = FaultyEngine(await open_io_engine(engine_kind, queue_depth=4))
-    tier = await open_tier(io_engine=faulty, blocks=1)
-    path = data_file(tier)
+    faulty, tier, path = await one_block_tier(open_tier, engine_kind)
     old, new = keys(2)
-    await tier.store([old], pattern_rows([old]).rows())
     # The new block's write fails and so does the zeroing of its slot: the
     # evicted block's header and payload stay in the slot, intact.
     faulty.inject("write", err=errno.EIO)
