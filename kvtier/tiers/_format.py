@@ -34,8 +34,6 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.keys import KEY_BYTES
-
 __all__ = [
     "CHECKSUM_XXH3_64",
     "FORMAT_VERSION",
@@ -107,6 +105,24 @@ def encode_header(into: memoryview, header: BlockHeader) -> None:
     _HCHECK.pack_into(into, _CHECKED, xxhash.xxh3_64_intdigest(into[:_CHECKED]))
 
 
+def _checked_fields(data: memoryview) -> tuple[bytes, bytes, int, int, int]:
+    """``(key, namespace, payload bytes, stored at, payload checksum)`` of a valid header."""
+    if len(data) < HEADER_BYTES:
+        raise HeaderError(f"header is {len(data)} bytes, shorter than {HEADER_BYTES}")
+    magic, version, hbytes, _f, payload, key, ns, kind, at, pcheck, hcheck = _SCANNED.unpack_from(
+        data
+    )
+    if magic != MAGIC:
+        raise HeaderError(f"not a kvtier block file (magic {magic!r})")
+    if version != FORMAT_VERSION:
+        raise HeaderError(f"block format version {version} is not {FORMAT_VERSION}")
+    if hcheck != xxhash.xxh3_64_intdigest(data[:_CHECKED]):
+        raise HeaderError("header checksum mismatch (torn or overwritten header)")
+    if hbytes != HEADER_BYTES or kind != CHECKSUM_XXH3_64:
+        raise HeaderError(f"unsupported header (size {hbytes}, checksum kind {kind})")
+    return key, ns, payload, at, pcheck
+
+
 def scan_header(data: memoryview) -> tuple[bytes, bytes, int, int]:
     """``(key, namespace, payload bytes, stored at)`` of a valid header.
 
@@ -119,15 +135,7 @@ def scan_header(data: memoryview) -> tuple[bytes, bytes, int, int]:
     HeaderError
         For anything :func:`decode_header` refuses.
     """
-    if len(data) < HEADER_BYTES:
-        raise HeaderError(f"header is {len(data)} bytes, shorter than {HEADER_BYTES}")
-    magic, version, hbytes, _f, payload, key, ns, kind, at, _p, hcheck = _SCANNED.unpack_from(data)
-    if magic != MAGIC or version != FORMAT_VERSION or hbytes != HEADER_BYTES:
-        raise HeaderError(f"not a kvtier block header (magic {magic!r}, version {version})")
-    if kind != CHECKSUM_XXH3_64:
-        raise HeaderError(f"unsupported checksum kind {kind}")
-    if hcheck != xxhash.xxh3_64_intdigest(data[:_CHECKED]):
-        raise HeaderError("header checksum mismatch (torn or overwritten header)")
+    key, ns, payload, at, _ = _checked_fields(data)
     return key, ns, payload, at
 
 
@@ -140,23 +148,7 @@ def decode_header(data: memoryview) -> BlockHeader:
         For a wrong magic, an unknown version or checksum kind, a bad header
         checksum, or an impossible size.
     """
-    if len(data) < HEADER_BYTES:
-        raise HeaderError(f"header is {len(data)} bytes, shorter than {HEADER_BYTES}")
-    magic, version, hbytes, _flags, payload, key, ns, kind, at, pcheck = _FIELDS.unpack_from(data)
-    if magic != MAGIC:
-        raise HeaderError(f"not a kvtier block file (magic {magic!r})")
-    if version != FORMAT_VERSION:
-        raise HeaderError(f"block format version {version} is not {FORMAT_VERSION}")
-    (hcheck,) = _HCHECK.unpack_from(data, _CHECKED)
-    if hcheck != xxhash.xxh3_64_intdigest(data[:_CHECKED]):
-        raise HeaderError("header checksum mismatch (torn or overwritten header)")
-    if hbytes != HEADER_BYTES or kind != CHECKSUM_XXH3_64 or len(key) != KEY_BYTES:
-        raise HeaderError(f"unsupported header (size {hbytes}, checksum kind {kind})")
+    key, ns, payload, at, pcheck = _checked_fields(data)
     return BlockHeader(
-        key=key,
-        namespace=ns,
-        payload_bytes=payload,
-        payload_checksum=pcheck,
-        version=version,
-        stored_at=at,
+        key=key, namespace=ns, payload_bytes=payload, payload_checksum=pcheck, stored_at=at
     )
