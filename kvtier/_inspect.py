@@ -23,26 +23,19 @@ import contextlib
 import json
 import os
 import stat
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvtier.errors import InvalidArgumentError, TierIOError
 from kvtier.tiers._format import HEADER_BYTES, BlockHeader, HeaderError, checksum, decode_header
+from kvtier.tiers.file_tier import LAYOUT_KIND
+from kvtier.tiers.file_tier import TIER_FORMAT_VERSION as FORMAT_VERSION
 
 __all__ = ["BadFile", "NamespaceReport", "inspect_root"]
 
-FORMAT_VERSION = 2
-"""The namespace directory format this module reads (``namespace.json``)."""
-LAYOUT_KIND = "slots"
 
 _ZERO_HEADER = bytes(HEADER_BYTES)
-# The u32 the block format once reserved at offset 60 now holds the store time
-# (seconds since the epoch, 0 = unknown). It lies inside the bytes the header
-# checksum covers, so it is only read from headers that decode.
-_STORED_AT = struct.Struct("<I")
-_STORED_OFFSET = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,7 +294,7 @@ def _scan(
             if header.key in seen:
                 report.duplicates += 1
             seen.add(header.key)
-            (stored,) = _STORED_AT.unpack_from(head, _STORED_OFFSET)
+            stored = header.stored_at
             if stored:
                 report.oldest_stored = min(report.oldest_stored or stored, stored)
                 report.newest_stored = max(report.newest_stored or stored, stored)

@@ -78,13 +78,22 @@ from kvtier.tiers._format import (
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine, open_io_engine
 
-__all__ = ["TIER_FORMAT_VERSION", "FileTier", "FileTierStatistics", "LoadResult", "StoreResult"]
+__all__ = [
+    "LAYOUT_KIND",
+    "TIER_FORMAT_VERSION",
+    "FileTier",
+    "FileTierStatistics",
+    "LoadResult",
+    "StoreResult",
+]
 
 log = logging.getLogger("kvtier.file_tier")
 
 TIER_FORMAT_VERSION = 2
 """Version of a namespace directory's layout (``namespace.json``): 2 is one
 slot file; 1 was one file per block under ``blocks/``, discarded at open."""
+LAYOUT_KIND = "slots"
+"""``layout_kind`` of ``namespace.json`` for :data:`TIER_FORMAT_VERSION`."""
 DATA_FILE = "blocks.dat"
 _QUARANTINE_KEEP = 8
 """Quarantined blocks kept for inspection; older copies are deleted so that the
@@ -248,6 +257,8 @@ _Then = Callable[[Any, Exception | None], None]
 
 class _Worker:
     """One thread computing payload checksums off the event loop.
+
+    It also writes quarantine copies, one at a time.
 
     XXH3 releases the GIL and reads the payload from memory at 7-13 GB/s
     here: at 256 KiB a block it was a third of the loop's work per store.
@@ -1521,7 +1532,7 @@ async def _check_or_write_description(
     desc = {
         "format": "kvtier file tier",
         "format_version": TIER_FORMAT_VERSION,
-        "layout_kind": "slots",
+        "layout_kind": LAYOUT_KIND,
         "namespace": layout.namespace.hex(),
         "block_bytes": block_bytes,
         "slot_bytes": HEADER_BYTES + block_bytes,
