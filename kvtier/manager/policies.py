@@ -398,11 +398,13 @@ class ARCPolicy(CachePolicy):
         want1 = n if not t2.size else min(n, max(0, math.ceil(t1.size - self._p)))
         got1 = t1.take(want1, pins, out) if want1 else 0
         got2 = t2.take(n - got1, pins, out) if got1 < n else 0
-        if got1 + got2 < n:
-            # T2 ran out of unpinned blocks: T1 gives the rest.
-            got1 += t1.take(n - got1 - got2, pins, out)
         self._remember(out[:got1], 0)
         self._remember(out[got1:], _GHOST_B2)
+        if got1 + got2 < n:
+            # T2 ran out of unpinned blocks: T1 gives the rest (ghosts of T1: B1).
+            more = len(out)
+            t1.take(n - got1 - got2, pins, out)
+            self._remember(out[more:], 0)
         return out
 
     def _remember(self, slots: list[int], tag: int) -> None:
