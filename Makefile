@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 # project's machines that version is a local CPU wheel, while an unpinned torch
 # would pull a multi-GB CUDA build. With nvidia-smi present, the library's own
 # range (pyproject.toml) lets pip pick the platform's CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
@@ -18,31 +18,38 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The residency manager's compiled core: pip builds it at install; this rebuilds
+# it in place after an edit of its C source.
+NATIVE := $(VENV)/.native
+$(NATIVE): $(STAMP) kvtier/manager/_native.c
+	$(PY) setup.py --quiet build_ext --inplace
+	touch $(NATIVE)
+
+demo: $(NATIVE)
 	$(VENV)/bin/kvtier demo
 
 test: unit lint typecheck
 
-unit: $(STAMP)
+unit: $(NATIVE)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check kvtier tests benchmarks examples
 
-typecheck: $(STAMP)
+typecheck: $(NATIVE)
 	$(PY) -m mypy
 
-soak: $(STAMP)
+soak: $(NATIVE)
 	$(PY) -m pytest -q -m slow
 
 # The reliability suite with the soak, its figures printed as docs/reliability.md's table.
-reliability: $(STAMP)
+reliability: $(NATIVE)
 	rm -rf .reports/reliability
 	KVTIER_REPORT_DIR=.reports/reliability $(PY) -m pytest -q -m '' tests/reliability
 	$(PY) benchmarks/reliability_report.py .reports/reliability
 
-bench: $(STAMP)
+bench: $(NATIVE)
 	$(PY) benchmarks/manager.py
 	$(PY) benchmarks/transfer.py
 	$(PY) benchmarks/file_tier.py

@@ -1,11 +1,13 @@
 """Replay a prefix-sharing trace against ResidencyManager: ns per key, bytes per block, hit rate.
 
 Run ``python benchmarks/manager.py`` (10k, 100k and 1M slots) or add ``--quick``
-(10k and 100k, shorter traces). The trace: requests of 16-64 blocks whose
-leading blocks come from one of many shared prefixes (a document, a system
-prompt, a conversation), chosen with a Zipf law, and whose remaining blocks are
-new (the request's own tokens). The number of prefixes scales with the capacity,
-so the shared blocks are about four times what fits and every size evicts.
+(10k and 100k, shorter traces). It replays the manager ``ResidencyManager``
+builds by default, the compiled core; ``--python`` replays the pure-Python one.
+The trace: requests of 16-64 blocks whose leading blocks come from one of many
+shared prefixes (a document, a system prompt, a conversation), chosen with a
+Zipf law, and whose remaining blocks are new (the request's own tokens). The
+number of prefixes scales with the capacity, so the shared blocks are about
+four times what fits and every size evicts.
 
 Each request is played as an engine plays it: ``lookup``; on a hit,
 ``prepare_load`` and ``complete_load`` of the hit prefix; ``prepare_store`` and
@@ -184,12 +186,16 @@ def clock_overhead() -> float:
     return best
 
 
-def measure_memory(capacity: int, policy: str, trace: Trace) -> float:
-    """Bytes per resident block after replaying the trace, key objects included."""
+def measure_memory(capacity: int, policy: str, trace: Trace, native: bool) -> float:
+    """Bytes per resident block after replaying the trace, key objects included.
+
+    tracemalloc sees the compiled core's arrays too (they come from
+    ``PyMem_RawMalloc``).
+    """
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    m = ResidencyManager(capacity, policy)
+    m = ResidencyManager(capacity, policy, native=native)
     replay(m, trace.requests)
     gc.collect()
     used = tracemalloc.get_traced_memory()[0] - base
@@ -232,12 +238,14 @@ def dict_floor(capacity: int, repeats: int, seed: int = 2) -> float:
     return statistics.median(results)
 
 
-def run(capacity: int, policy: str, trace: Trace, repeats: int, floor: float) -> Result:
+def run(
+    capacity: int, policy: str, trace: Trace, repeats: int, floor: float, native: bool
+) -> Result:
     """Median of ``repeats`` timed replays (a fresh manager each), then a memory run."""
     overhead = clock_overhead()
     runs: list[tuple[float, list[float], float]] = []
     for _ in range(repeats):
-        m = ResidencyManager(capacity, policy)
+        m = ResidencyManager(capacity, policy, native=native)
         replay(m, trace.requests[: trace.warmup])
         stats0 = m.statistics()
         gc.collect()
@@ -256,7 +264,7 @@ def run(capacity: int, policy: str, trace: Trace, repeats: int, floor: float) ->
         gc.collect()
     # The median repeat, whole: its per-call figures add up to its 'all'.
     ns_all, per_call, hit = sorted(runs)[(len(runs) - 1) // 2]
-    mem = measure_memory(capacity, policy, trace)
+    mem = measure_memory(capacity, policy, trace, native)
     return Result(
         capacity,
         policy,
@@ -276,7 +284,13 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=3, help="timed replays per case (median kept)"
     )
     parser.add_argument("--json", metavar="PATH", help="also write every figure to PATH")
+    parser.add_argument(
+        "--python",
+        action="store_true",
+        help="replay the pure-Python manager instead of the compiled core",
+    )
     args = parser.parse_args(argv)
+    native = not args.python
     sizes = [10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000]
     per_slot = 0.1 if args.quick else 0.15
     head = (
@@ -289,13 +303,17 @@ def main(argv: list[str] | None = None) -> int:
         " keys; 'floor' = same-run dict lookup + insert + delete per key; 'sum' ="
         " per-call figures added"
     )
+    print(
+        "manager: "
+        + ("compiled core (NativeResidencyManager)" if native else "pure Python (native=False)")
+    )
     print(head)
     results: list[Result] = []
     for cap in sizes:
         trace = make_trace(cap, per_slot)
         floor = dict_floor(cap, args.repeats)
         for policy in ("lru", "arc"):
-            r = run(cap, policy, trace, args.repeats, floor)
+            r = run(cap, policy, trace, args.repeats, floor, native)
             results.append(r)
             cols = " ".join(f"{r.ns_per_key[c]:>14.0f}" for c in CALLS)
             print(
@@ -314,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(
                 {
                     "command": sys.argv,
+                    "implementation": "native" if native else "python",
                     "repeats": args.repeats,
                     "statistic": "median",
                     "results": [asdict(r) for r in results],

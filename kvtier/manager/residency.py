@@ -77,6 +77,18 @@ def _check(keys: Sequence[bytes], what: str, *, distinct: bool = True) -> None:
         raise InvalidArgumentError(f"{what}: duplicate keys in one call")
 
 
+def check_construction(capacity_slots: object, tier: object) -> None:
+    """Raise InvalidArgumentError unless the capacity is a positive int and the tier a str."""
+    if (
+        isinstance(capacity_slots, bool)
+        or not isinstance(capacity_slots, int)
+        or capacity_slots < 1
+    ):
+        raise InvalidArgumentError(f"capacity_slots must be a positive int, got {capacity_slots!r}")
+    if not isinstance(tier, str):
+        raise InvalidArgumentError(f"tier must be a str, got {tier!r}")
+
+
 def _make_policy(policy: str | CachePolicy) -> CachePolicy:
     if isinstance(policy, CachePolicy):
         return policy
@@ -104,12 +116,20 @@ class ResidencyManager:
         :meth:`take_events`.
     tier
         The tier's name, carried by events.
+    native
+        ``None`` (the default): for ``"lru"`` and ``"arc"``, build the manager
+        whose state and policy run in C
+        (:class:`~kvtier.manager.native.NativeResidencyManager`) when the
+        compiled core is installed and ``KVTIER_MANAGER`` is not ``python``.
+        ``True`` requires it; ``False`` gives this pure-Python manager. Both
+        behave alike call for call.
 
     Raises
     ------
     InvalidArgumentError
-        For a capacity that is not a positive int, an unknown policy name, or
-        a policy instance that already serves another manager.
+        For a capacity that is not a positive int, an unknown policy name, a
+        policy instance that already serves another manager, or ``native=True``
+        with a policy instance or without the compiled core.
 
     Notes
     -----
@@ -146,6 +166,22 @@ class ResidencyManager:
         "_writing",
     )
 
+    def __new__(
+        cls,
+        capacity_slots: int,
+        policy: str | CachePolicy = "lru",
+        *,
+        enable_events: bool = False,
+        tier: str = "cpu",
+        native: bool | None = None,
+    ) -> ResidencyManager:
+        if cls is ResidencyManager:
+            from kvtier.manager.native import NativeResidencyManager, native_wanted
+
+            if native_wanted(policy, native):
+                return object.__new__(NativeResidencyManager)
+        return object.__new__(cls)
+
     def __init__(
         self,
         capacity_slots: int,
@@ -153,17 +189,9 @@ class ResidencyManager:
         *,
         enable_events: bool = False,
         tier: str = "cpu",
+        native: bool | None = None,
     ) -> None:
-        if (
-            isinstance(capacity_slots, bool)
-            or not isinstance(capacity_slots, int)
-            or capacity_slots < 1
-        ):
-            raise InvalidArgumentError(
-                f"capacity_slots must be a positive int, got {capacity_slots!r}"
-            )
-        if not isinstance(tier, str):
-            raise InvalidArgumentError(f"tier must be a str, got {tier!r}")
+        check_construction(capacity_slots, tier)
         self._capacity = capacity_slots
         self._tier = tier
         self._events: list[ManagerEvent] | None = [] if enable_events else None
@@ -630,11 +658,11 @@ class ResidencyManager:
 
         Notes
         -----
-        A :class:`BlockRemoved` event records the ready blocks.
+        A :class:`BlockRemoved` event records the ready blocks, in slot order.
         """
         if self._pins or self._writing or self._removed_writing:
             raise BusyError("reset: blocks are pinned or being written; complete them first")
-        ready = tuple(self._index)
+        ready = tuple(sorted(self._index, key=self._index.__getitem__))  # slot order, as native
         # In place: the policy holds these containers.
         self._keys[:] = [None] * self._capacity
         self._policy.clear()

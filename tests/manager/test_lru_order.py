@@ -18,10 +18,11 @@ from kvtier.manager import ResidencyManager
 from kvtier.testing.manager import key
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 @pytest.mark.parametrize(("capacity", "seed"), [(1, 0), (5, 1), (16, 2), (64, 3)])
-def test_lru_evicts_exactly_the_least_recently_used(capacity: int, seed: int) -> None:
+def test_lru_evicts_exactly_the_least_recently_used(capacity: int, seed: int, native: bool) -> None:
     rng = random.Random(seed)
-    m = ResidencyManager(capacity, "lru")
+    m = ResidencyManager(capacity, "lru", native=native)
     universe = [key(i) for i in range(3 * capacity + 2)]
     order: OrderedDict[bytes, None] = OrderedDict()  # ready blocks, least recent first
     writing: list[bytes] = []

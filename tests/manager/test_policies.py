@@ -7,6 +7,7 @@ import random
 import pytest
 
 from kvtier.manager import ARCPolicy, ResidencyManager
+from kvtier.manager.native import NativePolicy
 from kvtier.manager.policies import _Recency
 from kvtier.testing.manager import key, keys, serve
 
@@ -24,9 +25,22 @@ def evicted_by(m: ResidencyManager, *ids: int) -> list[bytes]:
     return list(plan.evicted)
 
 
-def arc(m: ResidencyManager) -> ARCPolicy:
-    assert isinstance(m.policy, ARCPolicy)
-    return m.policy
+@pytest.fixture(autouse=True, params=["native", "python"])
+def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every scenario runs on the compiled core and on the pure-Python manager."""
+    if request.param == "python":
+        monkeypatch.setenv("KVTIER_MANAGER", "python")
+    else:
+        monkeypatch.delenv("KVTIER_MANAGER", raising=False)
+    return str(request.param)
+
+
+def arc(m: ResidencyManager) -> ARCPolicy | NativePolicy:
+    policy = m.policy
+    assert isinstance(policy, ARCPolicy) or (
+        isinstance(policy, NativePolicy) and policy.name == "arc"
+    )
+    return policy
 
 
 # -- LRU ---------------------------------------------------------------------------------

@@ -34,10 +34,11 @@ class Block:
 
 class ManagerMachine(RuleBasedStateMachine):
     policy = "lru"
+    native: bool | None = None
 
     def __init__(self) -> None:
         super().__init__()
-        self.m = ResidencyManager(1, self.policy)
+        self.m = ResidencyManager(1, self.policy, native=self.native)
         self.capacity = 1
         self.model: dict[bytes, Block] = {}
         self.hits = 0
@@ -46,7 +47,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @initialize(capacity=st.integers(1, 4))
     def start(self, capacity: int) -> None:
-        self.m = ResidencyManager(capacity, self.policy, enable_events=True)
+        self.m = ResidencyManager(capacity, self.policy, enable_events=True, native=self.native)
         self.capacity = capacity
 
     def ready(self, k: bytes) -> bool:
@@ -207,6 +208,15 @@ class ARCMachine(ManagerMachine):
     policy = "arc"
 
 
+class PythonLRUMachine(ManagerMachine):
+    native = False
+
+
+class PythonARCMachine(ManagerMachine):
+    policy = "arc"
+    native = False
+
+
 _SETTINGS = settings(
     max_examples=200,
     stateful_step_count=50,
@@ -217,3 +227,7 @@ TestLRUStateMachine = ManagerMachine.TestCase
 TestLRUStateMachine.settings = _SETTINGS
 TestARCStateMachine = ARCMachine.TestCase
 TestARCStateMachine.settings = _SETTINGS
+TestPythonLRUStateMachine = PythonLRUMachine.TestCase
+TestPythonLRUStateMachine.settings = _SETTINGS
+TestPythonARCStateMachine = PythonARCMachine.TestCase
+TestPythonARCStateMachine.settings = _SETTINGS
