@@ -9,7 +9,7 @@ Both behave alike call for call: the same plans, slots, victims, errors and
 events; the conformance suite, the Hypothesis state machine and the policy
 scenarios run against both.
 
-Why a compiled core: the pure-Python manager costs 1.3-2.5 us per requested key
+Why a compiled core: the pure-Python manager costs 1.7-3.8 us per requested key
 at 1M slots, mostly interpreter work per key and cold dict probes, and no
 change in Python brought that under the 1 us target (``docs/manager.md``).
 """
