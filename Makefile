@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit soak reliability bench clean
+.PHONY: demo test lint typecheck unit soak reliability bench sanitize clean
 
 # Set-up on first use. Without a GPU, torch is pinned to 2.13.0 first: on this
 # project's machines that version is a local CPU wheel, while an unpinned torch
@@ -48,6 +48,25 @@ reliability: $(NATIVE)
 	rm -rf .reports/reliability
 	KVTIER_REPORT_DIR=.reports/reliability $(PY) -m pytest -q -m '' tests/reliability
 	$(PY) benchmarks/reliability_report.py .reports/reliability
+
+# The manager's tests against its compiled core built with AddressSanitizer and
+# UBSan (a copy of the package in .reports/asan, so the normal build stays).
+ASAN_DIR := .reports/asan
+sanitize: $(STAMP)
+	rm -rf $(ASAN_DIR) && mkdir -p $(ASAN_DIR)
+	cp -r kvtier tests pyproject.toml $(ASAN_DIR)/
+	rm -f $(ASAN_DIR)/kvtier/manager/_native*.so
+	gcc -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
+		-fno-sanitize-recover=undefined -std=c11 -shared -fPIC \
+		-I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+		kvtier/manager/_native.c \
+		-o $(ASAN_DIR)/kvtier/manager/_native"$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+	cd $(ASAN_DIR) && LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+		ASAN_OPTIONS=detect_leaks=0 PYTHONMALLOC=malloc PYTHONPATH=. \
+		$(CURDIR)/$(PY) -c 'import kvtier.manager._native as n; print("core under test:", n.__file__)'
+	cd $(ASAN_DIR) && LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+		ASAN_OPTIONS=detect_leaks=0 PYTHONMALLOC=malloc PYTHONPATH=. \
+		$(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider tests/manager
 
 bench: $(NATIVE)
 	$(PY) benchmarks/manager.py
