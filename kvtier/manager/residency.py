@@ -18,6 +18,11 @@ Block states::
     remove() of a WRITING or PINNED block: it stops being a hit at once, and
     its slot is freed by its complete_store / last complete_load.
 
+This module is the pure-Python manager. For the built-in policies,
+``ResidencyManager(...)`` builds its compiled twin instead
+(:class:`kvtier.manager.native.NativeResidencyManager`); this one serves custom
+policies, ``native=False``, and installs without the extension.
+
 How it stays fast and small
 ---------------------------
 Each state is one ``dict`` from key to slot: ready blocks (pinned or not), blocks
