@@ -115,6 +115,17 @@ typedef struct {
     double p;
 } Core;
 
+/* A Core made by Core.__new__ without __init__ has no arrays: every entry point
+   checks, so that misuse raises instead of crashing the interpreter. */
+static int
+not_ready(Core *c)
+{
+    if (c->table != NULL)
+        return 0;
+    PyErr_SetString(PyExc_RuntimeError, "kvtier.manager._native.Core is not initialized");
+    return 1;
+}
+
 /* -- hashing and the table ------------------------------------------------------------ */
 
 static inline uint32_t
@@ -377,6 +388,8 @@ batch_begin(Core *c, PyObject *keys, const char *what, Batch *b)
 {
     PyObject **items;
     Py_ssize_t n;
+    if (not_ready(c))
+        return -1;
     if (PyList_CheckExact(keys)) {
         items = ((PyListObject *)keys)->ob_item;
         n = PyList_GET_SIZE(keys);
@@ -979,6 +992,8 @@ done:
 static PyObject *
 Core_reset(Core *c, PyObject *Py_UNUSED(ignored))
 {
+    if (not_ready(c))
+        return NULL;
     if (c->n_pinned || c->n_writing || c->n_rem_writing) {
         PyErr_SetString(BusyError,
                         "reset: blocks are pinned or being written; complete them first");
@@ -998,9 +1013,13 @@ Core_reset(Core *c, PyObject *Py_UNUSED(ignored))
     return ready;
 }
 
+/* The slot of `key` in any state; -1 when absent (or not bytes); -2 with an
+   exception set when the Core is not initialized. */
 static int32_t
 find_any(Core *c, PyObject *key)
 {
+    if (not_ready(c))
+        return -2;
     if (!PyBytes_CheckExact(key))
         return -1;
     return find(c, key, hash32(key));
@@ -1010,6 +1029,8 @@ static PyObject *
 Core_slot_of(Core *c, PyObject *key)
 {
     int32_t s = find_any(c, key);
+    if (s == -2)
+        return NULL;
     if (s < 0)
         Py_RETURN_NONE;
     return PyLong_FromLong(s);
@@ -1019,6 +1040,8 @@ static PyObject *
 Core_is_ready(Core *c, PyObject *key)
 {
     int32_t s = find_any(c, key);
+    if (s == -2)
+        return NULL;
     return PyBool_FromLong(s >= 0 && c->state[s] == S_READY);
 }
 
@@ -1026,6 +1049,8 @@ static PyObject *
 Core_pins(Core *c, PyObject *key)
 {
     int32_t s = find_any(c, key);
+    if (s == -2)
+        return NULL;
     if (s < 0 || (c->state[s] != S_READY && c->state[s] != S_REM_PINNED))
         return PyLong_FromLong(0);
     return PyLong_FromLong(c->pins[s]);
@@ -1034,7 +1059,8 @@ Core_pins(Core *c, PyObject *key)
 static int
 Core_contains(Core *c, PyObject *key)
 {
-    return find_any(c, key) >= 0;
+    int32_t s = find_any(c, key);
+    return s == -2 ? -1 : s >= 0;
 }
 
 static Py_ssize_t
@@ -1047,6 +1073,8 @@ Core_len(Core *c)
 static PyObject *
 Core_statistics(Core *c, PyObject *Py_UNUSED(ignored))
 {
+    if (not_ready(c))
+        return NULL;
     return Py_BuildValue("nnnnnnLLL", c->capacity, Core_len(c), c->n_ready,
                          c->n_writing + c->n_rem_writing, c->n_pinned,
                          c->n_ready - c->n_pinned + c->n_rem_pinned, c->hits, c->misses,
@@ -1057,12 +1085,16 @@ Core_statistics(Core *c, PyObject *Py_UNUSED(ignored))
 static PyObject *
 Core_policy_state(Core *c, PyObject *Py_UNUSED(ignored))
 {
+    if (not_ready(c))
+        return NULL;
     return Py_BuildValue("dnnnn", c->p, c->l1.size, c->l2.size, c->b1, c->b2);
 }
 
 static PyObject *
 Core_in_t2(Core *c, PyObject *arg)
 {
+    if (not_ready(c))
+        return NULL;
     Py_ssize_t s = PyLong_AsSsize_t(arg);
     if (s == -1 && PyErr_Occurred())
         return NULL;
@@ -1075,6 +1107,8 @@ Core_in_t2(Core *c, PyObject *arg)
 static PyObject *
 Core_order(Core *c, PyObject *arg)
 {
+    if (not_ready(c))
+        return NULL;
     long w = PyLong_AsLong(arg);
     if (w == -1 && PyErr_Occurred())
         return NULL;

@@ -63,3 +63,23 @@ def test_a_subclass_is_never_swapped() -> None:
         __slots__ = ()
 
     assert type(Mine(8, "lru")) is Mine
+
+
+def test_an_uninitialized_core_raises_instead_of_crashing() -> None:
+    from kvtier.manager._native import Core
+
+    core = Core.__new__(Core)
+    for call in (
+        lambda: core.lookup([b"k"]),
+        lambda: core.prepare_store([b"k"]),
+        lambda: core.slot_of(b"k"),
+        lambda: b"k" in core,
+        lambda: core.reset(),
+        lambda: core.statistics(),
+        lambda: core.policy_state(),
+        lambda: core.in_t2(0),
+        lambda: core.order(1),
+    ):
+        with pytest.raises(RuntimeError, match="not initialized"):
+            call()
+    assert len(core) == 0
