@@ -18,10 +18,10 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# The residency manager's compiled core: pip builds it at install; this rebuilds
-# it in place after an edit of its C source.
+# The C extensions (setup.py): pip builds them at install; this rebuilds
+# them in place after an edit of their C sources.
 NATIVE := $(VENV)/.native
-$(NATIVE): $(STAMP) kvtier/manager/_native.c
+$(NATIVE): $(STAMP) kvtier/manager/_native.c kvtier/transfer/_address.c
 	$(PY) setup.py --quiet build_ext --inplace
 	touch $(NATIVE)
 

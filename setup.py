@@ -1,7 +1,10 @@
-"""Build of the compiled residency-manager core; the metadata lives in pyproject.toml.
+"""Build of kvtier's two small C extensions; the metadata lives in pyproject.toml.
 
-The extension is optional: where it cannot be built (no C compiler), the
-package installs without it and kvtier.manager runs its pure-Python manager.
+* kvtier.manager._native: the residency manager's state and policies;
+* kvtier.transfer._address: buffer addresses for I/O requests.
+
+Both are optional: where they cannot be built (no C compiler), the package
+installs without them and runs their pure-Python equivalents, slower.
 """
 
 from setuptools import Extension, setup
@@ -13,6 +16,12 @@ setup(
             sources=["kvtier/manager/_native.c"],
             extra_compile_args=["-O2", "-std=c11"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvtier.transfer._address",
+            sources=["kvtier/transfer/_address.c"],
+            extra_compile_args=["-O2", "-std=c11"],
+            optional=True,
+        ),
     ]
 )

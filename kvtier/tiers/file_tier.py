@@ -68,11 +68,10 @@ from kvtier.layout import KVLayout
 from kvtier.manager import ManagerEvent, ResidencyManager
 from kvtier.tiers._format import (
     HEADER_BYTES,
-    BlockHeader,
     HeaderError,
     checksum,
     decode_header,
-    encode_header,
+    encode_header_fields,
     scan_header,
 )
 from kvtier.transfer.completion import Completion
@@ -941,10 +940,9 @@ class FileTier:
         try:
             op.page = self._pages.take()
             page = self._pages.view(op.page)
-            header = BlockHeader(
-                op.key, self._namespace, self._block_bytes, summed, stored_at=int(time.time())
+            encode_header_fields(
+                page, op.key, self._namespace, self._block_bytes, summed, int(time.time())
             )
-            encode_header(page, header)
             done = self._engine.writev(
                 self._fd, [page, op.view], op.slot * self._file_bytes, alignment=self._io_alignment
             )

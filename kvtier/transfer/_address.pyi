@@ -1,0 +1,3 @@
+"""Types of the compiled helper ``_address.c`` (see io_engine.buffer_address)."""
+
+def address(buffer: object, /) -> int: ...
