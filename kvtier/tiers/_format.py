@@ -43,6 +43,7 @@ __all__ = [
     "HeaderError",
     "checksum",
     "decode_header",
+    "decode_header_fields",
     "encode_header",
     "encode_header_fields",
     "scan_header",
@@ -133,8 +134,18 @@ def encode_header_fields(
     _HCHECK.pack_into(into, _CHECKED, xxhash.xxh3_64_intdigest(into[:_CHECKED]))
 
 
-def _checked_fields(data: memoryview) -> tuple[bytes, bytes, int, int, int]:
-    """``(key, namespace, payload bytes, stored at, payload checksum)`` of a valid header."""
+def decode_header_fields(data: memoryview) -> tuple[bytes, bytes, int, int, int]:
+    """``(key, namespace, payload bytes, stored at, payload checksum)`` of a valid header.
+
+    The checks of :func:`decode_header` without building a
+    :class:`BlockHeader` (a frozen dataclass costs more than the checks): the
+    file tier verifies one header per block loaded.
+
+    Raises
+    ------
+    HeaderError
+        For anything :func:`decode_header` refuses.
+    """
     if len(data) < HEADER_BYTES:
         raise HeaderError(f"header is {len(data)} bytes, shorter than {HEADER_BYTES}")
     magic, version, hbytes, _f, payload, key, ns, kind, at, pcheck, hcheck = _SCANNED.unpack_from(
@@ -163,7 +174,7 @@ def scan_header(data: memoryview) -> tuple[bytes, bytes, int, int]:
     HeaderError
         For anything :func:`decode_header` refuses.
     """
-    key, ns, payload, at, _ = _checked_fields(data)
+    key, ns, payload, at, _ = decode_header_fields(data)
     return key, ns, payload, at
 
 
@@ -176,7 +187,7 @@ def decode_header(data: memoryview) -> BlockHeader:
         For a wrong magic, an unknown version or checksum kind, a bad header
         checksum, or an impossible size.
     """
-    key, ns, payload, at, pcheck = _checked_fields(data)
+    key, ns, payload, at, pcheck = decode_header_fields(data)
     return BlockHeader(
         key=key, namespace=ns, payload_bytes=payload, payload_checksum=pcheck, stored_at=at
     )

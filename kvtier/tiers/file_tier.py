@@ -70,7 +70,7 @@ from kvtier.tiers._format import (
     HEADER_BYTES,
     HeaderError,
     checksum,
-    decode_header,
+    decode_header_fields,
     encode_header_fields,
     scan_header,
 )
@@ -1039,21 +1039,22 @@ class FileTier:
     def _verify(self, op: _BlockOp) -> KVTierError | None:
         where = f"{self._data_path} slot {op.slot}"
         try:
-            header = decode_header(self._pages.view(op.page))
+            key, namespace, payload_bytes, _, payload_checksum = decode_header_fields(
+                self._pages.view(op.page)
+            )
         except HeaderError as exc:
             return IntegrityError(f"bad block header ({exc})", where)
-        if header.namespace != self._namespace:
+        if namespace != self._namespace:
             return NamespaceMismatchError(
-                f"{where} holds a block of namespace {header.namespace.hex()}, "
-                f"not {self._namespace.hex()}"
+                f"{where} holds a block of namespace {namespace.hex()}, not {self._namespace.hex()}"
             )
-        if header.key != op.key:
-            return IntegrityError(f"slot holds block {header.key.hex()}, not {op.key.hex()}", where)
-        if header.payload_bytes != self._block_bytes:
+        if key != op.key:
+            return IntegrityError(f"slot holds block {key.hex()}, not {op.key.hex()}", where)
+        if payload_bytes != self._block_bytes:
             return IntegrityError(
-                f"payload of {header.payload_bytes} bytes, expected {self._block_bytes}", where
+                f"payload of {payload_bytes} bytes, expected {self._block_bytes}", where
             )
-        if checksum(op.view) != header.payload_checksum:
+        if checksum(op.view) != payload_checksum:
             return IntegrityError("payload checksum mismatch", where)
         return None
 
