@@ -182,6 +182,12 @@ def slot_of(tier: FileTier, key: bytes) -> int:
     return slot
 
 
+async def store_blocks(tier: FileTier, ks: list[bytes]) -> dict[bytes, int]:
+    """Store the pattern of each key; the file slot each block landed in."""
+    await tier.store(ks, pattern_rows(ks).rows())
+    return {k: slot_of(tier, k) for k in ks}
+
+
 def slot_payload(path: Path, slot: int, key: bytes, namespace: bytes = NAMESPACE) -> bytes:
     """The payload of ``slot``, after checking that its header describes it as ``key``'s."""
     header = slot_header(path, slot)
@@ -635,9 +641,8 @@ async def test_failed_store_leaves_a_zero_header(
 async def test_remove_zeroes_the_slot_and_the_block_stays_gone(open_tier: OpenTier) -> None:
     tier = await open_tier()
     ks = keys(4)
-    await tier.store(ks, pattern_rows(ks).rows())
+    slots = await store_blocks(tier, ks)
     path = data_file(tier)
-    slots = {k: slot_of(tier, k) for k in ks}
     tier.remove([ks[1], keys(1, salt=5)[0]])  # an absent key is ignored
     assert ks[1] not in tier
     assert tier.lookup(ks) == 1
@@ -669,9 +674,8 @@ async def test_remove_zeroes_the_slot_and_the_block_stays_gone(open_tier: OpenTi
 async def test_restart_recovers_residency_and_usage(open_tier: OpenTier) -> None:
     tier = await open_tier()
     ks = keys(6)
-    await tier.store(ks, pattern_rows(ks).rows())
+    slots = await store_blocks(tier, ks)
     path = data_file(tier)
-    slots = {k: slot_of(tier, k) for k in ks}
     free = sorted(set(range(16)) - set(slots.values()))
     await tier.aclose()
     # Leftovers of a crash: files in tmp/ (a probe, a half-written
@@ -800,8 +804,7 @@ async def test_removed_block_stays_gone_when_an_older_copy_was_on_disk(
 async def test_smaller_budget_truncates_the_slot_file(open_tier: OpenTier) -> None:
     tier = await open_tier(blocks=6)
     ks = keys(6)
-    await tier.store(ks, pattern_rows(ks).rows())
-    slots = {k: slot_of(tier, k) for k in ks}
+    slots = await store_blocks(tier, ks)
     path = data_file(tier)
     await tier.aclose()
     small = await open_tier(blocks=3)
@@ -1143,8 +1146,7 @@ async def test_engine_errors_are_typed_per_block(
     path = data_file(tier)
     ks = keys(2)
     if kind == "read":
-        await tier.store(ks, pattern_rows(ks).rows())
-        slots = {k: slot_of(tier, k) for k in ks}
+        slots = await store_blocks(tier, ks)
     faulty.inject(kind, err=err)
     if kind == "write":
         failed = (await tier.store(ks, pattern_rows(ks).rows())).failed
