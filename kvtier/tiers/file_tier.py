@@ -961,11 +961,8 @@ class FileTier:
         self._release_page(op)
         err: KVTierError | None = None
         exc = done.exception()
-        where = f"writing slot {op.slot}"
-        if isinstance(exc, TierIOError):
-            err = TierIOError(exc.errno or 0, f"{where}: {exc.strerror}", self._data_path)
-        elif exc is not None:
-            err = TierIOError(_errno.EIO, f"{where}: {exc}", self._data_path)
+        if exc is not None:
+            err = self._io_error(exc, f"writing slot {op.slot}")
         elif done.result() != self._file_bytes:
             err = TierIOError(
                 0,
@@ -982,6 +979,13 @@ class FileTier:
         self._sync_waiting.append(op)
         self._start_sync()
         self._pump()
+
+    def _io_error(self, exc: BaseException, what: str) -> TierIOError:
+        """A failed request's error as this tier's: its errno (EIO when it has
+        none), what the tier was doing, and the slot file's path."""
+        code = exc.errno if isinstance(exc, OSError) and exc.errno is not None else _errno.EIO
+        text = getattr(exc, "strerror", None) or exc
+        return TierIOError(code, f"{what}: {text}", self._data_path)
 
     def _start_sync(self) -> None:
         """Flush the slot file for every block written so far (one fsync for many)."""
@@ -1000,10 +1004,7 @@ class FileTier:
         self._sync_running = None
         err: KVTierError | None = None
         if exc is not None:
-            code = exc.errno if isinstance(exc, OSError) and exc.errno else _errno.EIO
-            err = TierIOError(
-                code, f"fsync: {getattr(exc, 'strerror', None) or exc}", self._data_path
-            )
+            err = self._io_error(exc, "fsync")
         for op in ops:
             self._block_done(op, err)
         self._start_sync()
@@ -1022,9 +1023,7 @@ class FileTier:
         err: KVTierError | None = None
         exc = done.exception()
         if exc is not None:
-            code = exc.errno if isinstance(exc, OSError) and exc.errno else _errno.EIO
-            text = getattr(exc, "strerror", None) or exc
-            err = TierIOError(code, f"reading slot {op.slot}: {text}", self._data_path)
+            err = self._io_error(exc, f"reading slot {op.slot}")
         elif done.result() != self._file_bytes:
             err = IntegrityError(
                 f"short read of slot {op.slot}: {done.result()} of {self._file_bytes} bytes",
