@@ -24,6 +24,7 @@ __all__ = [
     "PMD_SIZE",
     "madvise",
     "map_aligned",
+    "memory_bytes",
     "munmap",
     "populate",
     "round_up",
@@ -94,12 +95,39 @@ _madvise.restype = ctypes.c_int
 _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
+def memory_bytes() -> tuple[int, int]:
+    """``(MemTotal, MemAvailable)`` of this machine in bytes, from ``/proc/meminfo``.
+
+    Where it cannot be read, both are the physical memory from ``sysconf``
+    (available unknown: assume all of it).
+    """
+    fields: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if name in ("MemTotal", "MemAvailable") and parts and parts[0].isdigit():
+                    fields[name] = int(parts[0]) * 1024
+    except OSError:
+        pass
+    total = fields.get("MemTotal") or os.sysconf("SC_PHYS_PAGES") * PAGE_SIZE
+    return total, fields.get("MemAvailable", total)
+
+
 def round_up(value: int, multiple: int) -> int:
     """``value`` rounded up to a multiple of ``multiple``."""
     return -(-value // multiple) * multiple
 
 
+_MAX_LENGTH = 1 << 62
+"""Longest mapping asked of the kernel: ctypes passes ``size_t`` modulo 2**64, so
+a larger length would silently map its remainder instead of failing."""
+
+
 def _raw_mmap(addr: int | None, length: int, prot: int, flags: int, fd: int, offset: int) -> int:
+    if not 0 < length <= _MAX_LENGTH:
+        raise OSError(errno.ENOMEM, f"mmap of {length} bytes: not a length any machine maps")
     result = _mmap(addr, length, prot, flags, fd, offset)
     if result is None or result == _MAP_FAILED:
         err = ctypes.get_errno()

@@ -1,8 +1,9 @@
 """Configuration: frozen, validated models loadable from a dict or a TOML file.
 
 Sizes are bytes and accept strings with units (``"8GiB"``, ``"512 MB"``), parsed
-by pydantic's :class:`~pydantic.ByteSize`. Every invalid value raises
-:class:`~kvtier.errors.ConfigurationError` naming the field and the problem.
+by pydantic's :class:`~pydantic.ByteSize`: whole bytes from 1 to 1 EiB, never a
+bool. Every invalid value raises :class:`~kvtier.errors.ConfigurationError`
+naming the field and the problem.
 
 Names follow vLLM's KV offloading where it has one (``cpu_bytes_to_use``,
 ``blocks_per_chunk``, ``eviction_policy``).
@@ -60,14 +61,22 @@ def _problems(exc: ValidationError) -> list[tuple[str, str]]:
     return out
 
 
-def _non_negative_bytes(value: Any) -> Any:
-    # ByteSize reads -5 as an unparsable string; say what is wrong instead.
-    if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+MAX_BYTES = 1 << 60
+"""Largest budget accepted (1 EiB): above any memory or filesystem a machine has,
+and far below the 64-bit sizes that ``mmap``, ``fallocate`` and ``ctypes`` take,
+so a typo cannot overflow a size further down instead of failing here."""
+
+
+def _plain_bytes(value: Any) -> Any:
+    # ByteSize reads -5 as an unparsable string and True as 1 byte; say what is wrong.
+    if isinstance(value, bool):
+        raise ValueError("must be a number of bytes, not a bool")
+    if isinstance(value, int | float) and value < 0:
         raise ValueError("must be a positive number of bytes")
     return value
 
 
-Bytes = Annotated[ByteSize, BeforeValidator(_non_negative_bytes), Field(gt=0)]
+Bytes = Annotated[ByteSize, BeforeValidator(_plain_bytes), Field(gt=0, le=MAX_BYTES)]
 
 
 class _Frozen(BaseModel):

@@ -267,6 +267,9 @@ class CPURegion:
                 f"rounded up to the {align}-byte alignment)"
             )
 
+        if shared_name is None:  # a shared one is checked against /dev/shm's room
+            _check_memory(rows * row_stride, rows, row_stride)
+
         self = object.__new__(cls)
         self.rows, self.row_stride, self.slice_bytes = rows, row_stride, slice_bytes
         self.alignment, self.world_size, self.rank = align, world_size, rank
@@ -326,6 +329,7 @@ class CPURegion:
             self._pinned, self._pin_reason, unpin = _pin(
                 addr, map_length, row_stride, pin, self._pins
             )
+            array = (ctypes.c_uint8 * map_length).from_address(addr)
         except BaseException as exc:
             _mmap.munmap(addr, map_length)
             self._detach()
@@ -338,7 +342,6 @@ class CPURegion:
         self._backing = backing
         self._created = self._attachment is None or self._attachment.created
         self._page_size = page_size
-        array = (ctypes.c_uint8 * map_length).from_address(addr)
         self._array = array
         self._mv = memoryview(array).cast("B")[:length]
         # Unmap when the last view is gone, not when close() is called: a view
@@ -516,6 +519,21 @@ class CPURegion:
         return (
             f"<CPURegion {state} rows={self.rows} row_stride={self.row_stride} "
             f"world_size={self.world_size} rank={self.rank} backing={self._backing}>"
+        )
+
+
+def _check_memory(length: int, rows: int, row_stride: int) -> None:
+    """Refuse a private region larger than the memory available, before mapping it.
+
+    Faulting in more than there is would not fail cleanly: the OOM killer would
+    pick a process instead.
+    """
+    total, available = _mmap.memory_bytes()
+    if length > available:
+        raise CapacityError(
+            f"a CPU region of {length} bytes ({rows} rows of {row_stride} bytes) exceeds "
+            f"this machine's available memory ({available} bytes of {total}): lower "
+            "cpu_bytes_to_use"
         )
 
 

@@ -70,6 +70,23 @@ def test_frozen() -> None:
         ),
         pytest.param({"cpu_bytes_to_use": "lots"}, r"cpu_bytes_to_use: could not parse", id="unit"),
         pytest.param(
+            {"cpu_bytes_to_use": True}, r"cpu_bytes_to_use: must be a number of bytes", id="bool"
+        ),
+        pytest.param(
+            {"cpu_bytes_to_use": 2**64 + 8192},
+            r"cpu_bytes_to_use: .*less than or equal to 1152921504606846976",
+            id="beyond-64-bits",
+        ),
+        pytest.param(
+            {"cpu_bytes_to_use": "2EiB"}, r"cpu_bytes_to_use: .*less than or equal", id="2EiB"
+        ),
+        pytest.param({"cpu_bytes_to_use": 1.5}, r"cpu_bytes_to_use: ", id="fraction"),
+        pytest.param(
+            {"cpu_bytes_to_use": 1, "file_tier": {"root": "/x", "bytes_to_use": False}},
+            r"file_tier.bytes_to_use: must be a number of bytes",
+            id="ft-bool",
+        ),
+        pytest.param(
             {"cpu_bytes_to_use": 1, "blocks_per_chunk": 0},
             r"blocks_per_chunk: .*greater than or equal to 1",
             id="bpc-zero",

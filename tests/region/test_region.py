@@ -402,11 +402,24 @@ def test_shared_geometry_mismatch_and_duplicate_rank(
 
 
 def test_a_budget_beyond_memory_is_a_capacity_error(layout: KVLayout) -> None:
-    with open("/proc/sys/vm/overcommit_memory") as f:
-        if f.read().strip() == "1":
-            pytest.skip("overcommit_memory=1 maps anything; populating would OOM")
-    with pytest.raises(CapacityError, match="not enough memory"):
-        CPURegion.create(layout, 1 << 50, pin="off")
+    # Refused before mapping, whatever the overcommit setting: populating more
+    # than there is would wake the OOM killer instead of failing.
+    maps = _mappings()
+    for budget in (1 << 50, (1 << 64) + 8192):
+        with pytest.raises(CapacityError, match="exceeds this machine's available memory"):
+            CPURegion.create(layout, budget, pin="off")
+    assert _mappings() == maps
+
+
+def test_a_length_beyond_size_t_is_refused_not_truncated() -> None:
+    # ctypes passes size_t modulo 2**64: 2**64 + 8192 would map 8192 bytes.
+    with pytest.raises(OSError, match="not a length any machine maps"):
+        _mmap.map_aligned((1 << 64) + 8192, _mmap.PAGE_SIZE)
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return len(f.readlines())
 
 
 def test_a_budget_beyond_dev_shm_is_a_capacity_error(
