@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from kvtier.errors import (
     ConfigurationError,
     InvalidArgumentError,
     KVTierError,
+    LayoutError,
     ProtocolError,
 )
 from kvtier.keys import check_keys
@@ -36,7 +38,7 @@ from kvtier.manager import ManagerStatistics, ResidencyManager, StorePlan
 from kvtier.region import CPURegion
 from kvtier.tiers.file_tier import FileTier, FileTierStatistics, LoadResult, StoreResult
 from kvtier.transfer.completion import Completion
-from kvtier.transfer.device import DeviceTransfer, open_device_transfer
+from kvtier.transfer.device import DeviceTransfer, check_block_ids, open_device_transfer
 from kvtier.transfer.io_engine import IOEngine
 
 if TYPE_CHECKING:
@@ -49,7 +51,8 @@ log = logging.getLogger("kvtier.engine")
 BlockIds = Sequence[int] | np.ndarray | Mapping[int, Sequence[int] | np.ndarray]
 """Device block ids: one sequence used by every KV group, or one per group id."""
 
-_Ids = np.ndarray | dict[int, np.ndarray]
+_Ids = dict[int, np.ndarray]
+"""Validated device block ids, per KV group of the layout."""
 _Starter = Callable[[], Completion[None]]
 
 
@@ -122,6 +125,9 @@ class EngineStatistics:
     """Blocks whose write to the file tier failed or was skipped (counted, logged)."""
     write_backs: int
     """CPU victims written to the file tier on eviction (write-back policy)."""
+    abandoned_at_close: int
+    """Blocks :meth:`Engine.aclose` did not write to the file tier because its
+    timeout passed first (write-through or write-back still to start; logged)."""
     in_flight: int
     """Jobs running now."""
 
@@ -231,6 +237,8 @@ class Engine:
         # or at aclose).
         self._dirty: set[bytes] = set()
         self._closed = False
+        self._abandoning = False
+        """Set once aclose's timeout has passed: no more writes to the file tier."""
         self._close_task: asyncio.Task[None] | None = None
         self._t_cpu = _Counter()
         self._t_file = _Counter()
@@ -244,6 +252,7 @@ class Engine:
             "load_shortfalls": 0,
             "write_through_failures": 0,
             "write_backs": 0,
+            "abandoned_at_close": 0,
         }
 
     # -- opening and closing ------------------------------------------------------------
@@ -282,7 +291,11 @@ class Engine:
         Raises
         ------
         ConfigurationError
-            When ``config`` and ``layout`` disagree (``blocks_per_chunk``).
+            When ``config`` and ``layout`` disagree (``blocks_per_chunk``), or
+            ``config.world_size`` is not 1.
+        LayoutError
+            For a layout with ``tp_size > 1``: one engine per tensor-parallel
+            rank would share the file tier's namespace.
         CapacityError
             When the CPU budget is below one row.
         TierIOError, DirectIOUnsupportedError
@@ -302,6 +315,16 @@ class Engine:
             raise ConfigurationError(
                 "Engine drives one worker; for world_size > 1 open a shared CPURegion per "
                 "worker (kvtier.region) and drive it directly"
+            )
+        if layout.tp_size != 1:
+            # A block key and the file tier's namespace cover a whole row, every
+            # rank's slice: one Engine per rank would store one slice under keys
+            # that every rank shares, and serve it to the others.
+            raise LayoutError(
+                f"the layout is rank {layout.tp_rank} of tp_size={layout.tp_size}, but Engine "
+                "holds one worker's whole row: engines of several ranks would share one "
+                "namespace and load each other's slices. Open it with the layout of one "
+                "worker that holds every rank's KV (tp_size=1)"
             )
         alignment = _FILE_ALIGNMENT if config.file_tier is not None else None
         region = CPURegion.create(layout, int(config.cpu_bytes_to_use), alignment=alignment)
@@ -336,38 +359,61 @@ class Engine:
 
     # A deadline on draining, not on the call: past it, aclose still releases all.
     async def aclose(self, timeout: float = 30.0) -> None:  # noqa: ASYNC109
-        """Wait for work in flight, then release every resource. Idempotent.
+        """Finish the work in flight, then release every resource. Idempotent.
 
         Parameters
         ----------
         timeout
-            Seconds to wait for in-flight stores, loads and file writes. Past it,
-            pending write-through is abandoned (those blocks are simply not on
-            disk); copies already handed to hardware are still waited for before
-            memory is unmapped.
+            Seconds to wait for stores, loads and file writes in flight, and
+            for the write-through and write-back they lead to. Past it, blocks
+            not yet handed to the file tier are abandoned: each is counted in
+            ``EngineStatistics.abandoned_at_close`` and a warning names how
+            many. Writes already handed to the file tier, and copies handed to
+            hardware, are still waited for before memory is unmapped.
+
+        Raises
+        ------
+        InvalidArgumentError
+            When ``timeout`` is not a number ``>= 0``; the engine stays open.
 
         Notes
         -----
-        Under ``write_back``, blocks whose only copy is their CPU row are
-        written to the file tier first (within ``timeout``), so a clean close
-        loses nothing. Concurrent calls share one close; every caller returns
-        when it is done.
+        New calls raise :class:`~kvtier.errors.ClosedError` from the start of
+        the close, but what is already running goes on: a store whose copy
+        completes during the close is still written through. Under
+        ``write_back``, blocks whose only copy is their CPU row are written to
+        the file tier (within ``timeout``), so a clean close loses nothing.
+        Concurrent calls share one close; every caller returns when it is
+        done.
         """
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise InvalidArgumentError(f"timeout must be a number of seconds, got {timeout!r}")
+        if not timeout >= 0:  # also NaN
+            raise InvalidArgumentError(f"timeout must be >= 0, got {timeout}")
         if self._close_task is None:
             self._closed = True
-            self._close_task = asyncio.ensure_future(self._close(timeout))
+            self._close_task = asyncio.ensure_future(self._close(float(timeout)))
         await asyncio.shield(self._close_task)
 
     async def _close(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
-        await self._drain(list(self._pending | self._file_writes), seconds)
+        await self._settle_until(deadline)
         dirty = [k for k in self._dirty if self._cpu.is_ready(k)]
-        if self._file is not None and dirty:
+        if self._file is not None and dirty and time.monotonic() < deadline:
             rows = [self._region.row(s) for s in self._cpu.prepare_load(dirty).slots]
             self._n["write_backs"] += len(dirty)
-            self._dirty.clear()
-            written = self._file_store(dirty, rows)
-            await self._drain([written], max(deadline - time.monotonic(), 0.0))
+            self._dirty.difference_update(dirty)
+            self._file_store(dirty, rows, then=lambda: self._cpu.complete_load(dirty))
+            await self._settle_until(deadline)
+        # From here on nothing new goes to the file tier: what a copy still
+        # running would write through, and what is still dirty, is abandoned.
+        self._abandoning = True
+        if self._file is not None:
+            self._abandon([k for k in self._dirty if self._cpu.is_ready(k)])
+        self._dirty.clear()
+        late = [c for c in self._unfinished() if c not in self._file_writes]
+        if late:
+            log.warning("aclose: %d jobs still running after %.1fs", len(late), seconds)
         try:
             # The copier and the ring wait for what they handed to hardware, so the
             # region is unmapped only after nothing can touch it any more.
@@ -377,12 +423,38 @@ class Engine:
         finally:
             self._region.close()
 
-    async def _drain(self, pending: list[Completion[None]], seconds: float) -> None:
-        if pending:
-            waits = [asyncio.ensure_future(_settle(c)) for c in pending]
-            _done, late = await asyncio.wait(waits, timeout=seconds)
-            if late:
-                log.warning("aclose: %d jobs still running after %.1fs", len(late), seconds)
+    def _abandon(self, keys: Sequence[bytes]) -> None:
+        """Count and report blocks that aclose will not write to the file tier."""
+        if keys:
+            self._n["abandoned_at_close"] += len(keys)
+            log.warning(
+                "aclose: %d blocks not written to the file tier (timeout reached); "
+                "they are lost with the CPU region",
+                len(keys),
+            )
+
+    def _unfinished(self) -> list[Completion[None]]:
+        """Every tracked completion not done yet (copies, promotions, file writes)."""
+        jobs = {j.done for j in self._inflight.values()}
+        return [c for c in (*self._file_writes, *jobs, *self._pending) if not c.done()]
+
+    async def _settle_until(self, deadline: float) -> bool:
+        """Wait until nothing tracked is running, or ``deadline``; True when idle.
+
+        Only what is not done yet is awaited: awaiting a done completion does
+        not yield, and a done write leaves its set only when its callback has
+        run, so waiting on those would spin without letting the callback run.
+        Work that ends starts more (a store's copy, its write-through): the
+        loop looks again until nothing is left. Every tracked completion
+        resolves after the state changes of its step (rows unpinned, blocks
+        completed), so nothing is left to run once none is pending.
+        """
+        while pending := self._unfinished():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await _wait(pending, seconds=None if math.isinf(left) else left)
+        return True
 
     # -- properties ---------------------------------------------------------------------
 
@@ -467,47 +539,74 @@ class Engine:
         Raises
         ------
         InvalidArgumentError
-            For bad keys, or block ids of the wrong count, out of range or
-            duplicated. Nothing is changed.
+            For bad keys, or block ids of the wrong count, out of range,
+            duplicated, or missing a KV group. Nothing is changed.
         TransferError
-            When the device copy fails; none of the blocks becomes visible.
+            When a device copy fails; the blocks of that copy do not become
+            visible.
         ClosedError
             After :meth:`aclose`.
 
         Notes
         -----
-        Returns once the CPU copy is ready; under ``write_through`` the file
-        writes go on in the background (:meth:`flush` waits for them). The
-        device blocks must not change until this returns. If the awaiting task
-        is cancelled, the blocks are discarded once the copy has finished.
+        Returns once every block is in a CPU row; under ``write_through`` the
+        file writes go on in the background (:meth:`flush` waits for them).
+        The device blocks must not change until this returns.
+
+        *More blocks than the CPU tier can take at once.* With a file tier
+        that accepts stores, the blocks stream through the CPU rows: as many
+        as there is room for are copied, their rows reach the file tier
+        (written through, or written back when evicted), and the rows are
+        reused for the next ones; the call waits for room meanwhile instead of
+        dropping. The CPU tier keeps the last blocks, the file tier all of
+        them. Without a lower tier (no file tier, or one still recovering) the
+        leading blocks that fit are stored and the rest are dropped: a prefix
+        is what a later request can hit.
+
+        *Cancellation.* The blocks whose copy is running when the awaiting
+        task is cancelled are discarded once the copy has finished (the
+        caller may reuse the device blocks at once); those of earlier copies
+        of the same call had finished and stay stored.
         """
         self._check_open()
         check_keys(keys)
-        ids = _check_ids(device_block_ids, len(keys) * self._bpc, self._layout)
+        ids = check_block_ids(self._layout, device_block_ids, len(keys) * self._bpc, unique=True)
         self._n["stores"] += 1
         # A key already in the CPU tier (ready or being written) needs no copy; one
         # only on file is copied anyway: it is hot now, and the file write skips it.
-        fresh = [i for i, k in enumerate(keys) if k not in self._cpu]
-        while fresh and self._file_writes and not self._room_for(len(fresh)):
-            # Backpressure: rows pinned by file writes free up when those finish;
-            # waiting for them beats dropping blocks that would fit a moment later.
-            await asyncio.wait(
-                [asyncio.ensure_future(_settle(c)) for c in self._file_writes],
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            self._check_open()
-            fresh = [i for i, k in enumerate(keys) if k not in self._cpu]
-        present = len(keys) - len(fresh)
-        if not fresh:
-            return StoreSummary(0, present, 0)
-        plan = self._place([keys[i] for i in fresh])
-        placed = 0 if plan is None else len(plan.keys)
-        dropped = len(fresh) - placed
-        self._n["dropped"] += dropped
-        if plan is None:
-            return StoreSummary(0, present, dropped)
-        index = {keys[i]: i for i in fresh}
-        chosen = _chunk_ids(ids, [index[k] for k in plan.keys], self._bpc)
+        todo = [k for k in keys if k not in self._cpu]
+        present = len(keys) - len(todo)
+        index = {k: i for i, k in enumerate(keys)}
+        stream = self._file is not None and not self._file.recovering
+        stored = 0
+        while todo:
+            fresh = [k for k in todo if k not in self._cpu]  # another store took some?
+            present += len(todo) - len(fresh)
+            todo = fresh
+            if stream:
+                room = self._room()
+                plan = self._place(todo[:room]) if todo and room else None
+            else:
+                plan = self._place_beside(keys, todo)
+            if plan is None:
+                # Backpressure: rows held by copies, loads and file writes free up
+                # when those end; waiting beats dropping blocks that fit a moment
+                # later. With nothing running, no row will free up.
+                if not todo or not await self._wait_for_rows():
+                    break
+                self._check_open()
+                continue
+            await self._copy_in(plan, _chunk_ids(ids, [index[k] for k in plan.keys], self._bpc))
+            stored += len(plan.keys)
+            placed = set(plan.keys)
+            todo = [k for k in todo if k not in placed]
+            if not stream:
+                break  # no lower tier: reusing rows would evict this call's own prefix
+        self._n["dropped"] += len(todo)
+        return StoreSummary(stored, present, len(todo))
+
+    async def _copy_in(self, plan: StorePlan, chosen: _Ids) -> None:
+        """Copy device blocks into the rows of ``plan``; publish them when done."""
         job = _Job(plan.keys, Completion())
         cancelled = [False]
         for k in plan.keys:
@@ -523,9 +622,7 @@ class Engine:
                 self._inflight.pop(k, None)
             if ok:
                 job.ok.update(plan.keys)
-                if self._write_back:
-                    self._dirty.update(plan.keys)
-                self._write_through(plan.keys)
+                self._to_file_tier(plan.keys)
             job.done.set_result(None)
 
         copy = self._after_claim(plan, lambda: self._xfer.store(chosen, plan.slots))
@@ -536,12 +633,33 @@ class Engine:
         except asyncio.CancelledError:
             cancelled[0] = True
             raise
-        return StoreSummary(placed, present, dropped)
 
-    def _room_for(self, n: int) -> bool:
-        """Whether ``n`` new blocks fit the CPU tier now (free or evictable rows)."""
+    def _place_beside(self, keys: Sequence[bytes], todo: list[bytes]) -> StorePlan | None:
+        """Rows for the leading ``todo`` that fit without evicting any of ``keys``.
+
+        Without a lower tier an evicted block is gone: a call must not make
+        room for its tail by evicting its own prefix.
+        """
+        own = [k for k in keys if self._cpu.is_ready(k)]
+        held = self._cpu.prepare_load(own).keys if own else ()
+        try:
+            room = self._room()
+            return self._place(todo[:room]) if todo and room else None
+        finally:
+            if held:
+                self._cpu.complete_load(held)
+
+    def _room(self) -> int:
+        """How many new blocks fit the CPU tier now (free or evictable rows)."""
         st = self._cpu.statistics()
-        return st.capacity - st.used + st.evictable >= n
+        return st.capacity - st.used + st.evictable
+
+    async def _wait_for_rows(self) -> bool:
+        """Wait until some work that holds CPU rows ends; False when none is running."""
+        running = [c for c in (*self._file_writes, *self._pending) if not c.done()]
+        if running:
+            await _wait(running, first=True)
+        return bool(running)
 
     def _place(self, keys: list[bytes]) -> StorePlan | None:
         """Rows for ``keys``, or for as long a prefix of them as fits (halving)."""
@@ -576,9 +694,15 @@ class Engine:
         written.add_done_callback(go)
         return out
 
-    def _write_through(self, keys: tuple[bytes, ...]) -> None:
-        """Start writing freshly stored CPU blocks to the file tier (write-through)."""
-        if self._file is None or self._write_back or self._closed:
+    def _to_file_tier(self, keys: tuple[bytes, ...]) -> None:
+        """Freshly stored CPU blocks: write them through, or mark them dirty (write-back)."""
+        if self._file is None:
+            return
+        if self._abandoning:
+            self._abandon(keys)
+            return
+        if self._write_back:
+            self._dirty.update(keys)
             return
         if self._file.recovering:
             # It refuses every store until its slots are known: do not pin rows
@@ -660,20 +784,7 @@ class Engine:
         those blocks to other work.
         """
         self._check_open()
-        while True:
-            # Only what is not done yet: awaiting a done completion does not yield,
-            # and a done write leaves the set only when its callback has run, so
-            # waiting on those would spin without ever letting the callback run.
-            # Stores in flight start more file writes when their copy completes.
-            # Every tracked completion resolves after the state changes of its
-            # step (rows unpinned, blocks completed), so nothing is left to run
-            # once none is pending.
-            jobs = {j.done for j in self._inflight.values()}
-            pending = [c for c in (*self._file_writes, *jobs, *self._pending) if not c.done()]
-            if not pending:
-                return
-            for c in pending:
-                await _settle(c)
+        await self._settle_until(math.inf)
 
     # -- load ---------------------------------------------------------------------------
 
@@ -722,7 +833,9 @@ class Engine:
             raise InvalidArgumentError(f"skip must be an int in [0, {self._bpc}), got {skip!r}")
         if skip and not keys:
             raise InvalidArgumentError("skip needs at least one key")
-        ids = _check_ids(device_block_ids, len(keys) * self._bpc - skip, self._layout)
+        ids = check_block_ids(
+            self._layout, device_block_ids, len(keys) * self._bpc - skip, unique=True
+        )
         self._n["loads"] += 1
         if not keys:
             return 0
@@ -867,6 +980,7 @@ class Engine:
             load_shortfalls=n["load_shortfalls"],
             write_through_failures=n["write_through_failures"],
             write_backs=n["write_backs"],
+            abandoned_at_close=n["abandoned_at_close"],
             in_flight=len(self._pending),
         )
 
@@ -903,48 +1017,28 @@ async def _settle(c: Completion[None]) -> None:
         await c
 
 
-def _check_ids(ids: BlockIds, count: int, layout: KVLayout) -> _Ids:
-    """Validate device block ids: integers, in range, distinct, ``count`` per group."""
-    groups = ids.items() if isinstance(ids, Mapping) else [(None, ids)]
-    out: dict[int, np.ndarray] = {}
-    for group, seq in groups:
-        if group is not None and group not in layout.groups:
-            raise InvalidArgumentError(f"no KV group {group!r} in the layout {layout.groups}")
-        try:
-            arr = np.asarray(seq)
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgumentError(f"device block ids must be integers: {exc}") from exc
-        where = "" if group is None else f" of group {group}"
-        if arr.size and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
-            raise InvalidArgumentError(f"device block ids{where} must be a flat int sequence")
-        if arr.size != count:
-            raise InvalidArgumentError(f"expected {count} device block ids{where}, got {arr.size}")
-        if arr.size:
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or hi >= layout.num_blocks:
-                raise InvalidArgumentError(
-                    f"device block ids{where} must be in [0, {layout.num_blocks}), got "
-                    f"{lo if lo < 0 else hi}"
-                )
-            if np.unique(arr).size != arr.size:
-                raise InvalidArgumentError(f"duplicate device block ids{where}")
-        out[-1 if group is None else group] = arr.astype(np.int64, copy=False)
-    if isinstance(ids, Mapping):
-        return out
-    single: np.ndarray = out[-1]
-    return single
+async def _wait(
+    pending: list[Completion[None]], *, seconds: float | None = None, first: bool = False
+) -> None:
+    """Wait until every one (or, with ``first``, any one) of ``pending`` is done,
+    or ``seconds``; their errors are not raised."""
+    waits = [asyncio.ensure_future(_settle(c)) for c in pending]
+    try:
+        await asyncio.wait(
+            waits,
+            timeout=seconds,
+            return_when=asyncio.FIRST_COMPLETED if first else asyncio.ALL_COMPLETED,
+        )
+    finally:
+        for w in waits:  # what is left is only a watcher: the work itself goes on
+            w.cancel()
 
 
 def _chunk_ids(ids: _Ids, chunks: list[int], bpc: int) -> _Ids:
     """The device ids of the chosen offloaded blocks, in the chosen order."""
     sel = (np.asarray(chunks, dtype=np.int64)[:, None] * bpc + np.arange(bpc)).ravel()
-    if isinstance(ids, dict):
-        return {g: a[sel] for g, a in ids.items()}
-    picked: np.ndarray = ids[sel]
-    return picked
+    return {g: a[sel] for g, a in ids.items()}
 
 
 def _prefix_ids(ids: _Ids, count: int) -> _Ids:
-    if isinstance(ids, dict):
-        return {g: a[:count] for g, a in ids.items()}
-    return ids[:count]
+    return {g: a[:count] for g, a in ids.items()}

@@ -63,6 +63,7 @@ __all__ = [
     "BlockIds",
     "DeviceTransfer",
     "TransferStatistics",
+    "check_block_ids",
     "open_device_transfer",
 ]
 
@@ -314,6 +315,62 @@ def _match_views(layout: KVLayout, views: Sequence[Any], torch: Any) -> list[tor
     return list(views)
 
 
+def check_block_ids(
+    layout: KVLayout, ids: BlockIds, count: int, *, unique: bool
+) -> dict[int, np.ndarray]:
+    """Validate device block ids for ``layout``: the one check every caller uses.
+
+    Parameters
+    ----------
+    layout
+        The layout the ids index into.
+    ids
+        One sequence for every KV group, or a mapping naming every group once.
+    count
+        How many ids each group must have.
+    unique
+        Whether an id may appear only once per group.
+
+    Returns
+    -------
+    dict[int, numpy.ndarray]
+        The ids of each group of the layout, as ``int64`` arrays.
+
+    Raises
+    ------
+    InvalidArgumentError
+        For ids that are not flat integer sequences, of another count, out of
+        ``[0, num_blocks)``, repeated (with ``unique``), or a mapping that
+        misses a group of the layout or names one it lacks.
+    """
+    groups = layout.groups
+    if isinstance(ids, Mapping):
+        unknown = [g for g in ids if g not in groups]
+        missing = [g for g in groups if g not in ids]
+        if unknown or missing:
+            raise InvalidArgumentError(
+                f"device block ids per group: unknown groups {unknown}, missing {missing} "
+                f"(the layout has groups {list(groups)})"
+            )
+        raw = {g: ids[g] for g in groups}
+    else:
+        raw = dict.fromkeys(groups, ids)
+    num_blocks = layout.num_blocks
+    out = {}
+    for g, seq in raw.items():
+        arr = _as_index(seq, f"device block ids of group {g}")
+        if arr.size != count:
+            raise InvalidArgumentError(
+                f"expected {count} device block ids for group {g}, got {arr.size}"
+            )
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= num_blocks):
+            raise InvalidArgumentError(f"device block ids must be in [0, {num_blocks})")
+        if unique and np.unique(arr).size != arr.size:
+            raise InvalidArgumentError(f"duplicate device block ids in group {g}")
+        out[g] = arr
+    return out
+
+
 def _as_index(values: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
     try:
         arr = np.asarray(values)
@@ -529,30 +586,7 @@ class _ThreadedTransfer(DeviceTransfer):
         return r
 
     def _check_ids(self, ids: BlockIds, count: int, *, unique: bool) -> dict[int, np.ndarray]:
-        num_blocks = self._layout.num_blocks
-        if isinstance(ids, Mapping):
-            unknown = [g for g in ids if g not in self._groups]
-            missing = [g for g in self._groups if g not in ids]
-            if unknown or missing:
-                raise InvalidArgumentError(
-                    f"device block ids per group: unknown groups {unknown}, missing {missing}"
-                )
-            raw = {g: ids[g] for g in self._groups}
-        else:
-            raw = {g: ids for g in self._groups}
-        out = {}
-        for g, seq in raw.items():
-            arr = _as_index(seq, f"device block ids of group {g}")
-            if arr.size != count:
-                raise InvalidArgumentError(
-                    f"expected {count} device block ids for group {g}, got {arr.size}"
-                )
-            if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= num_blocks):
-                raise InvalidArgumentError(f"device block ids must be in [0, {num_blocks})")
-            if unique and np.unique(arr).size != arr.size:
-                raise InvalidArgumentError(f"duplicate device block ids in group {g}")
-            out[g] = arr
-        return out
+        return check_block_ids(self._layout, ids, count, unique=unique)
 
     def _submit(
         self, store: bool, rows: np.ndarray, subs: np.ndarray, ids: dict[int, np.ndarray]

@@ -223,7 +223,7 @@ async def test_load_of_unknown_keys_is_typed_and_changes_nothing(tmp_path: Path)
         pytest.param(lambda e, k: e.store(["a", "b"], [0, 1]), "16 bytes", id="key-type"),
         pytest.param(lambda e, k: e.store([b"short", k[1]], [0, 1]), "16 bytes", id="key-len"),
         pytest.param(lambda e, k: e.load(k, [0, 1], skip=1), "skip", id="skip"),
-        pytest.param(lambda e, k: e.load(k, [0.5, 1.5]), "flat int", id="float-ids"),
+        pytest.param(lambda e, k: e.load(k, [0.5, 1.5]), "flat sequence of int", id="float-ids"),
     ],
 )
 async def test_bad_arguments(
@@ -396,3 +396,81 @@ async def test_flush_waits_for_the_copy_of_a_cancelled_load(tmp_path: Path) -> N
         # and nothing is in flight or pinned any more.
         assert same(snapshot(kv, list(range(20, 28))), want)
         assert_quiescent(engine)
+
+
+# -- stores larger than the CPU tier --------------------------------------------------
+
+
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+async def test_a_store_larger_than_the_cpu_tier_streams_through_its_rows(
+    tmp_path: Path, write_policy: str
+) -> None:
+    n = 40
+    async with engine_for(tmp_path, cpu_rows=8, write_policy=write_policy) as (engine, kv):
+        keys = keys_for(engine, n)
+        fill(kv, list(range(n)), seed=5)
+        want = snapshot(kv, list(range(n)))
+        assert await engine.store(keys, list(range(n))) == kvtier.StoreSummary(n, 0, 0)
+        await engine.flush()
+        st = engine.statistics()
+        assert st.dropped == 0
+        assert st.cpu.ready == 8, "the CPU tier keeps the last blocks"
+        assert engine.lookup(keys) == n
+        for t in kv:
+            t.zero_()
+        for first in range(0, n, 4):  # a load, too, must fit the CPU tier
+            part = list(range(first, first + 4))
+            assert await engine.load(keys[first : first + 4], part) == 4
+        assert same(snapshot(kv, list(range(n))), want)
+        assert_quiescent(engine)
+    async with engine_for(tmp_path, cpu_rows=8) as (engine, _kv):
+        assert engine.lookup(keys) == n, "every block reached the file tier"
+
+
+async def test_concurrent_stores_larger_than_the_cpu_tier_drop_nothing(tmp_path: Path) -> None:
+    async with engine_for(tmp_path, cpu_rows=8) as (engine, _kv):
+        parts = [keys_for(engine, 12, salt=s) for s in range(3)]
+        summaries = await asyncio.gather(
+            *(engine.store(k, list(range(12 * i, 12 * i + 12))) for i, k in enumerate(parts))
+        )
+        assert [s.dropped for s in summaries] == [0, 0, 0]
+        assert sum(s.stored for s in summaries) == 36
+        await engine.flush()
+        assert [engine.lookup(k) for k in parts] == [12, 12, 12]
+        assert_quiescent(engine)
+
+
+async def test_without_a_lower_tier_a_store_keeps_the_prefix_that_fits(tmp_path: Path) -> None:
+    async with engine_for(tmp_path, cpu_rows=8, file_rows=None) as (engine, _kv):
+        keys = keys_for(engine, 20)
+        assert await engine.store(keys, list(range(20))) == kvtier.StoreSummary(8, 0, 12)
+        assert engine.lookup(keys) == 8
+        assert engine.statistics().dropped == 12
+        # Stored again, the prefix is present and the tail still does not fit.
+        assert await engine.store(keys, list(range(20))) == kvtier.StoreSummary(0, 8, 12)
+        assert_quiescent(engine)
+
+
+# -- closing with work in flight ------------------------------------------------------
+
+
+@pytest.mark.parametrize("seconds", [30.0, 0.0], ids=["in-time", "timed-out"])
+async def test_aclose_writes_through_what_is_in_flight_or_counts_it(
+    tmp_path: Path, seconds: float
+) -> None:
+    n = 12
+    async with engine_for(tmp_path, cpu_rows=16) as (engine, kv):
+        keys = keys_for(engine, n)
+        fill(kv, list(range(n)), seed=9)
+        storing = asyncio.ensure_future(engine.store(keys, list(range(n))))
+        await asyncio.sleep(0)  # the copy is submitted; its write-through is not
+        await engine.aclose(seconds)
+        stored = (await storing).stored
+        abandoned = engine.statistics().abandoned_at_close
+    assert stored == n
+    async with engine_for(tmp_path, cpu_rows=16) as (engine, _kv):
+        on_file = sum(engine.lookup([k]) for k in keys)
+    # Either written or counted: never dropped silently.
+    assert on_file + abandoned == n
+    if seconds:
+        assert (on_file, abandoned) == (n, 0)

@@ -59,6 +59,9 @@ class Ctx:
     kv: list[torch.Tensor]
     tmp: Path
     stored: list[bytes]
+    """Reference blocks, ready in the CPU tier (which they fill) and on file."""
+    file_only: list[bytes]
+    """Reference blocks evicted from the CPU tier: only on file."""
 
 
 Row = tuple[str, Callable[[Ctx], Awaitable[Any]], type[BaseException]]
@@ -99,6 +102,38 @@ async def make_config(**kw: Any) -> KVTierConfig:
 
 def file_config(root: Path, **kw: Any) -> KVTierConfig:
     return config(file_tier=FileTierConfig(root=root, bytes_to_use=64 * (ROW + 4096), **kw))
+
+
+async def bad_aclose(ctx: Ctx, seconds: Any) -> None:
+    """A bad timeout is refused before the close starts: the engine stays usable."""
+    kv = make_kv()
+    engine = await Engine.open(config(), make_layout(kv), kv)
+    try:
+        await engine.aclose(seconds)
+    finally:
+        assert not engine.closed
+        assert engine.lookup(keys(ctx, 1)) == 0
+        await engine.aclose()
+
+
+async def open_tp_rank(ctx: Ctx) -> None:
+    kv = make_kv()
+    layout = KVLayout.from_tensors(
+        kv,
+        model_id="m",
+        block_tokens=4,
+        blocks_per_chunk=BPC,
+        num_blocks=NUM_BLOCKS,
+        tp_rank=1,
+        tp_size=2,
+    )
+    root = ctx.tmp / "ranked"
+    # The open's refusal, not the layout's own checks (it is a valid layout).
+    assert layout.tp_size == 2
+    try:
+        await open_with(ctx, file_config(root), kv=kv, layout=layout)
+    finally:
+        assert not root.exists(), "refused before anything was created"
 
 
 async def closed_engine_call(ctx: Ctx, what: str) -> None:
@@ -251,6 +286,26 @@ ROWS: list[Row] = [
     ("ids-float", lambda c: store(c, keys(c, 1), np.array([0.0, 1.0])), InvalidArgumentError),
     ("ids-2d", lambda c: store(c, keys(c, 1), np.array([[0, 1]])), InvalidArgumentError),
     ("ids-unknown-group", lambda c: store(c, keys(c, 1), {5: [0, 1]}), InvalidArgumentError),
+    (
+        "ids-missing-a-group",
+        lambda c: store(c, keys(c, 2), {0: [60, 61, 62, 63]}),
+        InvalidArgumentError,
+    ),
+    (
+        "ids-group-named-by-a-string",
+        lambda c: store(c, keys(c, 1), {"0": [60, 61], 1: [62, 63]}),
+        InvalidArgumentError,
+    ),
+    (
+        "load-file-only-missing-a-group",
+        lambda c: load(c, c.file_only[:2], {1: [60, 61, 62, 63]}),
+        InvalidArgumentError,
+    ),
+    (
+        "load-file-only-ids-out-of-range",
+        lambda c: load(c, c.file_only[:1], [60, NUM_BLOCKS]),
+        InvalidArgumentError,
+    ),
     ("load-never-stored", lambda c: load(c, keys(c, 1, salt=12345), [0, 1]), BlockNotFoundError),
     ("load-skip-too-big", lambda c: load(c, c.stored[:1], [0, 1], skip=BPC), InvalidArgumentError),
     ("load-skip-negative", lambda c: load(c, c.stored[:1], [0, 1], skip=-1), InvalidArgumentError),
@@ -260,6 +315,27 @@ ROWS: list[Row] = [
     ("budget-negative", lambda c: make_config(cpu_bytes_to_use=-5), ConfigurationError),
     ("budget-below-a-row", lambda c: open_with(c, config(cpu_bytes_to_use=ROW - 1)), CapacityError),
     ("budget-absurd", lambda c: open_with(c, config(cpu_bytes_to_use="1000PiB")), CapacityError),
+    ("budget-bool", lambda c: make_config(cpu_bytes_to_use=True), ConfigurationError),
+    (
+        "budget-past-64-bits",
+        lambda c: make_config(cpu_bytes_to_use=2**64 + 8192),
+        ConfigurationError,
+    ),
+    ("budget-fraction", lambda c: make_config(cpu_bytes_to_use=8192.5), ConfigurationError),
+    (
+        "budget-beyond-memory",
+        lambda c: open_with(c, config(cpu_bytes_to_use="64TiB")),
+        CapacityError,
+    ),
+    (
+        "file-budget-bool",
+        lambda c: make_config(file_tier={"root": str(c.tmp / "z"), "bytes_to_use": True}),
+        ConfigurationError,
+    ),
+    ("layout-tp-rank-of-two", open_tp_rank, LayoutError),
+    ("aclose-negative-timeout", lambda c: bad_aclose(c, -1), InvalidArgumentError),
+    ("aclose-nan-timeout", lambda c: bad_aclose(c, float("nan")), InvalidArgumentError),
+    ("aclose-str-timeout", lambda c: bad_aclose(c, "30"), InvalidArgumentError),
     (
         "blocks-per-chunk-mismatch",
         lambda c: open_with(c, config(blocks_per_chunk=3)),
@@ -299,25 +375,45 @@ def test_table_is_big_enough(report: dict[str, object]) -> None:
     report.update(bad_inputs_tried=len(ROWS), errors=sorted({r[2].__name__ for r in ROWS}))
 
 
+CHANGES_STATE = {"corrupted-header", "foreign-namespace-file"}
+"""Rows that store blocks of their own before the bad step (and so may evict)."""
+
+
 @pytest.mark.parametrize(("name", "call", "error"), ROWS, ids=[r[0] for r in ROWS])
 async def test_bad_input_is_typed_and_loses_nothing(
     tmp_path: Path, name: str, call: Callable[[Ctx], Awaitable[Any]], error: type[BaseException]
 ) -> None:
-    async with open_engine(tmp_path / "tier", cpu_rows=12) as (engine, kv):
-        stored = chain_keys(
-            list(range(4 * engine.block_tokens)), engine.block_tokens, engine.namespace
+    async with open_engine(tmp_path / "tier", cpu_rows=12, groups=(0, 1)) as (engine, kv):
+        # Fill the CPU tier, so that a store or promotion that got as far as
+        # placing blocks would evict (the bad call must fail before that).
+        rows = engine.statistics().cpu.capacity
+        everything = chain_keys(
+            list(range((rows + 4) * engine.block_tokens)), engine.block_tokens, engine.namespace
         )
-        write_blocks(kv, stored, list(range(4 * BPC)))
-        await engine.store(stored, list(range(4 * BPC)))
-        await engine.flush()
-        ctx = Ctx(engine, kv, tmp_path, stored)
+        file_only, stored = everything[:4], everything[4:]
+        for part, ids in ((file_only, range(4 * BPC)), (stored, range(rows * BPC))):
+            write_blocks(kv, part, list(ids))
+            await engine.store(part, list(ids))
+            await engine.flush()
+        assert engine.lookup(stored) == rows
+        assert engine.statistics().cpu.ready == rows
+        ctx = Ctx(engine, kv, tmp_path, stored, file_only)
+        before = _state(engine)
         with pytest.raises(error) as info:
             await call(ctx)
         assert isinstance(info.value, KVTierError)
         assert str(info.value)  # a message that says something
+        if name not in CHANGES_STATE:
+            assert _state(engine) == before, "a bad call changed what the engine holds"
         # Nothing already stored was lost, and the engine still works.
         assert engine.lookup(stored) == len(stored)
-        assert await verify_everything(engine, kv, set(stored)) == 0
+        assert await verify_everything(engine, kv, set(everything)) == 0
         st = engine.statistics()
         assert st.cpu.pinned == 0
         assert st.in_flight == 0
+
+
+def _state(engine: Engine) -> tuple[int, ...]:
+    st = engine.statistics()
+    assert st.file is not None
+    return (st.cpu.ready, st.cpu.evictions, st.cpu.used, st.file.blocks, st.file.evictions)

@@ -39,9 +39,16 @@ def make_kv() -> list[torch.Tensor]:
     return [torch.zeros(2, NUM_BLOCKS, 4, 128, dtype=torch.float16) for _ in range(2)]
 
 
-def make_layout(kv: list[torch.Tensor], model: str = "reliability") -> KVLayout:
+def make_layout(
+    kv: list[torch.Tensor], model: str = "reliability", groups: tuple[int, ...] | None = None
+) -> KVLayout:
     return KVLayout.from_tensors(
-        kv, model_id=model, block_tokens=4, blocks_per_chunk=BPC, num_blocks=NUM_BLOCKS
+        kv,
+        model_id=model,
+        block_tokens=4,
+        blocks_per_chunk=BPC,
+        num_blocks=NUM_BLOCKS,
+        groups=groups,
     )
 
 
@@ -125,10 +132,11 @@ async def open_engine(
     cpu_rows: int = 24,
     file_rows: int = 160,
     write_policy: str = "write_through",
+    groups: tuple[int, ...] | None = None,
     **open_kwargs: Any,
 ) -> AsyncIterator[tuple[Engine, list[torch.Tensor]]]:
     kv = make_kv()
-    layout = make_layout(kv)
+    layout = make_layout(kv, groups=groups)
     file_tier = None
     if root is not None:
         file_tier = FileTierConfig(
