@@ -226,7 +226,10 @@ def _read_header(fd: int) -> _Header | None:
     f = _HEADER.unpack_from(raw)
     if f[0] != _MAGIC or f[1] != _VERSION:
         return None
-    path = f[14].rstrip(b"\0").decode()
+    try:
+        path = f[14].rstrip(b"\0").decode()
+    except UnicodeDecodeError:
+        path = "\0"  # not a path kvtier wrote: _check_fields refuses it
     return _Header(
         state=f[2],
         data_offset=f[3],
@@ -429,6 +432,7 @@ def _join(
             _unlink_names(path, fd, h.data_path)
             return None
         _check_geometry(path, h.geometry, geometry)
+        _check_fields(path, h)
         if h.ranks[rank // 8] & (1 << (rank % 8)):
             raise SharedRegionError(f"rank {rank} is already attached to shared region {path}")
         data_fd = fd
@@ -457,6 +461,31 @@ def _check_geometry(path: str, theirs: Geometry, mine: Geometry) -> None:
         f"shared region {path} was created for another geometry ({'; '.join(diffs)}); "
         "every worker must pass the same layout namespace, budget, world_size and alignment"
     )
+
+
+def _check_fields(path: str, h: _Header) -> None:
+    """Refuse a header whose other fields are not what a creator writes.
+
+    The file is writable by every process of the user: a damaged one must be
+    a clear error, never a mapping of some other size or file.
+    """
+    ps = h.page_size
+    problems = []
+    if ps < PAGE_SIZE or ps & (ps - 1):
+        problems.append(f"page_size {ps} is not a power of two >= {PAGE_SIZE}")
+    elif h.data_offset % ps or h.data_offset not in (0, PMD_SIZE):
+        problems.append(f"data_offset {h.data_offset} is not where a creator puts the rows")
+    if h.data_bytes != h.geometry.data_bytes:
+        problems.append(f"data_bytes {h.data_bytes} is not {h.geometry.data_bytes}")
+    if h.data_path is not None and (
+        "\0" in h.data_path or not os.path.isabs(h.data_path) or h.data_offset != 0
+    ):
+        problems.append(f"data_path {h.data_path!r} is not a hugetlbfs file a creator made")
+    if problems:
+        raise SharedRegionError(
+            f"shared region {path} has a damaged header ({'; '.join(problems)}); "
+            "remove the file to start afresh"
+        )
 
 
 def detach(att: Attachment) -> None:

@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -271,4 +272,34 @@ def test_an_unclosed_region_gives_up_its_hold_when_collected(
     assert leftovers(shm_name)
     del region
     gc.collect()
+    assert not leftovers(shm_name)
+
+
+@pytest.mark.parametrize(
+    ("offset", "value"),
+    [
+        pytest.param(76, struct.pack("<Q", 0), id="page-size-zero"),
+        pytest.param(76, struct.pack("<Q", 4097), id="page-size-not-a-power-of-two"),
+        pytest.param(24, struct.pack("<Q", 1 << 60), id="data-bytes-huge"),
+        pytest.param(16, struct.pack("<Q", 4096 * 3), id="data-offset-elsewhere"),
+        pytest.param(100, b"\xff\xfe/not-utf8", id="data-path-not-text"),
+        pytest.param(100, b"relative/hugepage-file", id="data-path-relative"),
+    ],
+)
+def test_a_damaged_header_is_a_typed_error(
+    layout: KVLayout, shm_name: str, leftovers: Leftovers, offset: int, value: bytes
+) -> None:
+    # The rendezvous file is writable by every process of the user: what a
+    # joiner reads back from it is checked field by field before it is used.
+    first = CPURegion.create(layout, BUDGET, world_size=2, shared_name=shm_name, pin="off")
+    try:
+        fd = os.open(_shm.region_path(shm_name), os.O_WRONLY)
+        try:
+            os.pwrite(fd, value, offset)
+        finally:
+            os.close(fd)
+        with pytest.raises(SharedRegionError, match="damaged header"):
+            CPURegion.create(layout, BUDGET, world_size=2, rank=1, shared_name=shm_name, pin="off")
+    finally:
+        first.close()
     assert not leftovers(shm_name)
