@@ -56,7 +56,6 @@ import xxhash
 
 from kvtier.config import FileTierConfig
 from kvtier.layout import KVLayout, TensorSpec
-from kvtier.tiers._format import HEADER_BYTES
 from kvtier.tiers.file_tier import FileTier
 from kvtier.transfer.io_engine import (
     open_io_engine,
@@ -217,7 +216,7 @@ async def run_tier(
     root = Path(tempfile.mkdtemp(prefix="tier-", dir=directory))
     config = FileTierConfig(
         root=root,
-        bytes_to_use=n * (bs + HEADER_BYTES),
+        bytes_to_use=FileTier.budget_for(n, bs),
         io_engine=engine,
         queue_depth=depth,
         direct_io="require",
@@ -297,7 +296,7 @@ async def recovery_time(directory: Path, blocks: int) -> float:
     """Seconds to reopen a tier holding ``blocks`` 4 KiB blocks."""
     root = Path(tempfile.mkdtemp(prefix="recovery-", dir=directory))
     bs = 4 * KiB
-    config = FileTierConfig(root=root, bytes_to_use=blocks * (bs + HEADER_BYTES), queue_depth=32)
+    config = FileTierConfig(root=root, bytes_to_use=FileTier.budget_for(blocks, bs), queue_depth=32)
     region = thp_buffer(256 * bs)
     view = memoryview(region)
     try:

@@ -181,7 +181,7 @@ async def _file(
     for rep in range(settings.repeat):
         config = FileTierConfig(
             root=root / str(rep),
-            bytes_to_use=rows * (region.row_stride + 4096),
+            bytes_to_use=FileTier.budget_for(rows, region.row_stride),
             io_engine=settings.io_engine,
             queue_depth=depth,
         )

@@ -110,8 +110,11 @@ class FileTierConfig(_Frozen):
     root: Path
     """Directory holding the tier (created with mode 0700 if missing)."""
     bytes_to_use: Bytes
-    """Hard budget on disk, in bytes (accepts ``"64GiB"``): whole slots of a 4 KiB
-    header plus one block, reserved for the tier's slot file at open."""
+    """Hard budget of ``root`` on disk, in bytes (accepts ``"64GiB"``): everything
+    kvtier writes under the root counts, for every namespace (one per KV
+    layout) together: slot files, quarantine copies, metadata, directories.
+    A namespace's slot file (whole slots of a 4 KiB header plus one block) is
+    reserved at open from what the other namespaces leave (see ``reclaim``)."""
     write_policy: WritePolicy = "write_through"
     """``write_through``: every stored block is also written to disk;
     ``write_back``: a block goes to disk only when the CPU tier evicts it."""
@@ -128,6 +131,12 @@ class FileTierConfig(_Frozen):
     """``fsync``: the slot file is fsynced before a written block becomes visible
     (survives power loss; one flush per group of blocks written meanwhile);
     ``none``: survives a process crash, not a power loss."""
+    reclaim: Literal["lru", "off"] = "lru"
+    """What an open does when namespaces that no tier has open (other models,
+    dtypes or block sizes) hold part of the budget. ``lru``: delete them, least
+    recently used first, until the namespace being opened has the whole budget
+    less what open namespaces hold; ``off``: keep them, and open with what is
+    left (a warning names who holds what)."""
     recovery: RecoveryMode = "foreground"
     """How an existing slot file is read back at open. ``foreground``: open returns
     once every block is known (about 1-2 s per 100 000 blocks here);

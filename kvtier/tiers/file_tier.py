@@ -33,22 +33,17 @@ import asyncio
 import collections
 import contextlib
 import errno as _errno
-import fcntl
-import json
 import logging
 import mmap
 import os
 import queue
-import shutil
 import threading
 import time
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-
-import aiofiles
+from typing import Any, Literal, TypeVar
 
 from kvtier.config import FileTierConfig
 from kvtier.errors import (
@@ -56,7 +51,6 @@ from kvtier.errors import (
     BusyError,
     CapacityError,
     ClosedError,
-    DirectIOUnsupportedError,
     IntegrityError,
     InvalidArgumentError,
     KVTierError,
@@ -66,6 +60,7 @@ from kvtier.errors import (
 from kvtier.keys import check_keys
 from kvtier.layout import KVLayout
 from kvtier.manager import ManagerEvent, ResidencyManager
+from kvtier.tiers._description import LAYOUT_KIND, TIER_FORMAT_VERSION
 from kvtier.tiers._format import (
     HEADER_BYTES,
     HeaderError,
@@ -73,6 +68,15 @@ from kvtier.tiers._format import (
     decode_header_fields,
     encode_header_fields,
     scan_header,
+)
+from kvtier.tiers._namespace import Prepared, prepare, undo_under_root_lock, write_file
+from kvtier.tiers._root import (
+    DATA_FILE,
+    data_cost,
+    lock_root,
+    metadata_estimate,
+    quarantine_keep,
+    trim_quarantine,
 )
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine, open_io_engine
@@ -88,15 +92,7 @@ __all__ = [
 
 log = logging.getLogger("kvtier.file_tier")
 
-TIER_FORMAT_VERSION = 2
-"""Version of a namespace directory's layout (``namespace.json``): 2 is one
-slot file; 1 was one file per block under ``blocks/``, discarded at open."""
-LAYOUT_KIND = "slots"
-"""``layout_kind`` of ``namespace.json`` for :data:`TIER_FORMAT_VERSION`."""
-DATA_FILE = "blocks.dat"
-_QUARANTINE_KEEP = 8
-"""Quarantined blocks kept for inspection; older copies are deleted so that the
-quarantine cannot grow past this many blocks."""
+_T = TypeVar("_T")
 _RECOVERY_BATCH = 1024
 _SCAN_BUFFER = 8 << 20
 """Bytes of slot headers read per batch at open (two batches in flight)."""
@@ -143,8 +139,9 @@ class FileTierStatistics:
     """State and counters of a :class:`FileTier`."""
 
     capacity_bytes: int
-    """Bytes the tier may use: whole slots within ``bytes_to_use`` (the size
-    reserved for ``blocks.dat``)."""
+    """Bytes of the slots of ``blocks.dat`` (its size, reserved at open): the
+    whole slots of this namespace's share of ``bytes_to_use``, once its
+    metadata, quarantine allowance and the other namespaces are counted."""
     used_bytes: int
     """Bytes of the slots holding a block (resident or being written)."""
     blocks: int
@@ -466,7 +463,10 @@ class FileTier:
         InvalidArgumentError
             For a bad ``block_bytes`` or ``alignment``.
         CapacityError
-            When ``bytes_to_use`` is smaller than one slot.
+            When ``bytes_to_use`` is smaller than one slot, when what the other
+            namespaces of the root hold leaves no room for one (the message
+            names them), or when the filesystem has not the free space for the
+            share (the message names the free bytes and the budget).
         NamespaceMismatchError
             When the namespace directory was made for another block size.
         DirectIOUnsupportedError
@@ -475,14 +475,26 @@ class FileTier:
             When another process has this namespace directory open.
         TierIOError
             When the directories or the slot file cannot be created, read or
-            reserved (``ENOSPC`` when the filesystem cannot hold the budget).
+            reserved (``ENOSPC`` when the disk filled after the free space was
+            checked), or ``namespace.json`` is malformed (``EUCLEAN``, naming
+            the field).
 
         Notes
         -----
-        Opening reserves ``bytes_to_use`` (whole slots) for ``blocks.dat``
-        with ``fallocate``, so a full disk fails here and not in the middle of
-        serving; a smaller budget than last time truncates the file (the
-        blocks past the new end are gone). It then reads the header of every
+        ``bytes_to_use`` is the budget of the root, every namespace under it
+        and everything kvtier writes there included. Under a lock on the
+        root, opening measures what the other namespaces hold (open ones
+        keep their share; with ``reclaim="lru"`` namespaces no tier has open
+        are deleted, least recently used first, until this one has the
+        budget less what open ones hold), checks that the filesystem has the
+        free space, and reserves the slots that fit in the share for
+        ``blocks.dat`` with ``fallocate``, so a full disk fails here and not
+        in the middle of serving; a smaller share than last time truncates
+        the file (the blocks past the new end are gone). An open that fails,
+        at any step or cancelled, leaves the disk as it found it: a slot file
+        it created is removed, one it grew is truncated back to its old size
+        (its blocks intact), a namespace directory it created is removed.
+        Cancelling waits for a disk step in progress to end. It then reads the header of every
         slot that holds data (never-written ranges are skipped with
         ``SEEK_DATA``): valid blocks become resident, oldest first, and
         invalid headers (interrupted writes) are zeroed. A directory of
@@ -503,43 +515,36 @@ class FileTier:
                 f"block_bytes must be a positive multiple of {alignment}, got {block_bytes}"
             )
         file_bytes = HEADER_BYTES + block_bytes
-        slots = int(config.bytes_to_use) // file_bytes
-        if slots < 1:
+        if int(config.bytes_to_use) < file_bytes:
             raise CapacityError(
                 f"bytes_to_use ({int(config.bytes_to_use)}) holds no slot of {file_bytes} bytes"
             )
         root = Path(config.root)
-        ns_dir = root / layout.namespace.hex()
-        await asyncio.to_thread(_make_dirs, root, ns_dir)
-        lock_fd = _lock(ns_dir)
-        fds: list[int] = [lock_fd]
-        engine: IOEngine | None = None
+        await asyncio.to_thread(_make_root, root)
+        root_lock = await lock_root(root)
         try:
-            await asyncio.to_thread(_clean_tmp, ns_dir)
-            await _check_or_write_description(ns_dir, layout, block_bytes, alignment)
-            fallback = await asyncio.to_thread(
-                _probe_direct_io, ns_dir / "tmp", config.direct_io, alignment
-            )
-            ns_fd = os.open(ns_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
-            fds.append(ns_fd)
-            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-            if fallback is None:
-                flags |= os.O_DIRECT
-            path = ns_dir / DATA_FILE
-            try:
-                data_fd = os.open(DATA_FILE, flags, 0o600, dir_fd=ns_fd)
-            except OSError as exc:
-                raise TierIOError(
-                    exc.errno or 0, f"cannot open the slot file: {exc.strerror}", path
-                ) from exc
-            fds.append(data_fd)
-            await asyncio.to_thread(_reserve, data_fd, slots * file_bytes, path)
+            # One thread does every disk step of the open under the root lock,
+            # and undoes them itself when one fails.
+            prepared, cancelled = await _run_to_end(prepare, config, layout, block_bytes, alignment)
+            if cancelled:
+                # Cancelled while the thread ran: it finished, so undo what it did.
+                await _run_to_end(_abandon, prepared)
+                raise asyncio.CancelledError
+        finally:
+            os.close(root_lock)
+        undo = prepared.undo
+        engine: IOEngine | None = None
+        tier: FileTier | None = None
+        try:
             owns = io_engine is None
             engine = io_engine or await open_io_engine(
                 config.io_engine, queue_depth=config.queue_depth
             )
             manager = ResidencyManager(
-                slots, policy=config.eviction_policy, enable_events=enable_events, tier="file"
+                prepared.slots,
+                policy=config.eviction_policy,
+                enable_events=enable_events,
+                tier="file",
             )
             tier = cls(
                 config=config,
@@ -549,28 +554,64 @@ class FileTier:
                 engine=engine,
                 owns_engine=owns,
                 manager=manager,
-                ns_dir=ns_dir,
-                ns_fd=ns_fd,
-                data_fd=data_fd,
-                lock_fd=lock_fd,
-                direct_fallback=fallback,
+                ns_dir=undo.ns_dir,
+                ns_fd=prepared.ns_fd,
+                data_fd=prepared.data_fd,
+                lock_fd=prepared.lock_fd,
+                direct_fallback=prepared.fallback,
             )
+            if config.recovery == "background":
+                tier._recovery = "running"
+                tier._recovery_task = tier._loop.create_task(tier._recover_in_background())
+            else:
+                await tier._recover()
         except BaseException:
-            for fd in fds:
-                os.close(fd)
-            if engine is not None and io_engine is None:
-                await engine.aclose()
-            raise
-        if config.recovery == "background":
-            tier._recovery = "running"
-            tier._recovery_task = tier._loop.create_task(tier._recover_in_background())
-            return tier
-        try:
-            await tier._recover()
-        except BaseException:
-            await tier.aclose()
+            # Whatever failed (the engine, the recovery, a cancellation), the
+            # disk goes back to what it was before this open.
+            if tier is not None:
+                await _finish(tier.aclose())
+            else:
+                _close_prepared(prepared)
+                if engine is not None and io_engine is None:
+                    await _finish(engine.aclose())
+            await _run_to_end(undo_under_root_lock, root, undo)
             raise
         return tier
+
+    @staticmethod
+    def budget_for(slots: int, block_bytes: int, *, unit: int = 4096) -> int:
+        """The smallest ``bytes_to_use`` giving one namespace alone on its root ``slots`` slots.
+
+        Parameters
+        ----------
+        slots
+            Slots wanted, at least 1.
+        block_bytes
+            Payload bytes per block.
+        unit
+            The filesystem's allocation unit (``statvfs`` ``f_frsize``; 4096 on
+            ext4, XFS and tmpfs).
+
+        Returns
+        -------
+        int
+            The slot file, the filesystem's extent blocks allowed for it (one
+            unit plus 48 bytes a slot), ``min(8, slots // 16)`` quarantine copies,
+            and the metadata: the root directory, the namespace's three
+            directories, a ``namespace.json`` of up to one unit and the
+            ``O_DIRECT`` probe file, a unit each.
+
+        Raises
+        ------
+        InvalidArgumentError
+            When ``slots`` is below 1 or ``block_bytes`` not positive.
+        """
+        if slots < 1 or block_bytes < 1:
+            raise InvalidArgumentError(
+                f"slots and block_bytes must be positive, got {slots} and {block_bytes}"
+            )
+        slot_bytes = HEADER_BYTES + block_bytes
+        return unit + metadata_estimate(unit, unit) + data_cost(slots, slot_bytes, unit)
 
     # -- queries (no I/O) ---------------------------------------------------------------
 
@@ -863,6 +904,10 @@ class FileTier:
         self._pages.close()
         with contextlib.suppress(BufferError):
             self._zero_page.close()
+        with contextlib.suppress(OSError):
+            # The lock file's mtime is the namespace's last use: the root's
+            # accounting reclaims the least recently used first.
+            os.utime(self._lock_fd)
         for fd in (self._fd, self._ns_fd, self._lock_fd):
             # Closing the lock descriptor releases the flock.
             os.close(fd)
@@ -1176,15 +1221,29 @@ class FileTier:
 
     def _quarantine(self, op: _BlockOp, reason: str) -> None:
         """Keep a copy of a block that failed verification, for inspection (bounded)."""
-        data = bytes(self._pages.view(op.page)) + bytes(op.view)
         self._quarantine_seq += 1
         self._quarantined += 1
+        keep = quarantine_keep(self._slots)
+        if not keep:
+            # Copies count in the root's budget: a tier this small keeps none.
+            log.warning(
+                "file tier: slot %d (block %s) failed verification (%s); no copy kept "
+                "(a tier of %d slots keeps none)",
+                op.slot,
+                op.key.hex(),
+                reason,
+                self._slots,
+            )
+            return
+        data = bytes(self._pages.view(op.page)) + bytes(op.view)
         name = f"{op.key.hex()}.{time.time_ns()}.{self._quarantine_seq}.{reason}"
         log.warning("file tier: slot %d (block %s) quarantined as %s", op.slot, op.key.hex(), name)
         qdir = self._dir / "quarantine"
         self._quarantining += 1
         # On the tier's one thread: copies are written and trimmed one at a time.
-        self._worker.submit(lambda: _write_quarantine(qdir, name, data), self._quarantine_done)
+        self._worker.submit(
+            lambda: _write_quarantine(qdir, name, data, keep), self._quarantine_done
+        )
 
     def _quarantine_done(self, _result: object, exc: Exception | None) -> None:
         self._quarantining -= 1
@@ -1422,213 +1481,66 @@ def _slots_with_data(fd: int, slots: int, slot_bytes: int) -> list[int]:
     return out
 
 
-def _reserve(fd: int, size: int, path: Path) -> None:
-    """Make the slot file exactly ``size`` bytes, its blocks allocated where supported."""
-    try:
-        current = os.fstat(fd).st_size
-        if current > size:
-            log.warning(
-                "file tier: %s shrinks from %d to %d bytes (a smaller budget); the blocks "
-                "past the new end are dropped",
-                path,
-                current,
-                size,
-            )
-            os.ftruncate(fd, size)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            if exc.errno not in (_errno.EOPNOTSUPP, _errno.EINVAL, _errno.ENOSYS):
-                raise
-            # No fallocate here (glibc's emulation cannot write through
-            # O_DIRECT): a sparse file, and ENOSPC comes with the writes.
-            log.warning("file tier: %s cannot be preallocated (%s)", path, exc.strerror)
-            os.ftruncate(fd, size)
-    except OSError as exc:
-        raise TierIOError(
-            exc.errno or 0, f"cannot reserve {size} bytes for the slot file: {exc.strerror}", path
-        ) from exc
+def _write_quarantine(qdir: Path, name: str, data: bytes, keep: int) -> None:
+    """Write a quarantine copy, first deleting the oldest so that at most ``keep`` exist.
 
-
-def _write_quarantine(qdir: Path, name: str, data: bytes) -> None:
+    Trimming before writing, not after, keeps the quarantine within the
+    bytes the root's accounting gave it at every instant.
+    """
+    trim_quarantine(qdir, keep - 1)
+    path = qdir / name
     try:
-        fd = os.open(
-            qdir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-        )
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
+        write_file(path, data, os.O_EXCL)
     except OSError as exc:
         log.error("file tier: cannot write the quarantine copy %s: %s", name, exc)
-        return
-    _trim_quarantine(qdir)
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # a partial copy is no use, and takes disk
 
 
-def _make_dir(path: Path) -> None:
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700)
-    st = os.lstat(path)
-    if not os.path.isdir(path) or os.path.islink(path):
-        raise TierIOError(_errno.ENOTDIR, "not a directory (a symlink is refused)", path)
-    if st.st_mode & 0o077 and st.st_uid == os.getuid():
-        # Created by us with a umask that widened nothing, or by someone else:
-        # the blocks of a KV cache are private either way.
-        os.chmod(path, 0o700)
-
-
-def _make_dirs(root: Path, ns_dir: Path) -> None:
+def _make_root(root: Path) -> None:
     try:
         if not root.exists():
             root.mkdir(mode=0o700, parents=True)
             os.chmod(root, 0o700)
-        _make_dir(ns_dir)
-        for sub in ("tmp", "quarantine"):
-            _make_dir(ns_dir / sub)
     except OSError as exc:
         raise TierIOError(
-            exc.errno or 0,
-            f"cannot create the tier directories: {exc.strerror}",
-            exc.filename or root,
+            exc.errno or 0, f"cannot create the tier root: {exc.strerror}", exc.filename or root
         ) from exc
 
 
-def _lock(ns_dir: Path) -> int:
-    path = ns_dir / "lock"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise TierIOError(
-            exc.errno or 0, f"cannot open the lock file: {exc.strerror}", path
-        ) from exc
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as exc:
+def _close_prepared(prepared: Prepared) -> None:
+    for fd in (prepared.data_fd, prepared.ns_fd, prepared.lock_fd):
         os.close(fd)
-        raise BusyError(f"{ns_dir} is open in another file tier (process or instance)") from exc
-    return fd
 
 
-def _discard_legacy(ns_dir: Path) -> None:
-    """Remove what a format-1 tier (one file per block) left; a cache can be refilled."""
-    shutil.rmtree(ns_dir / "blocks", ignore_errors=True)
-    _clean_tmp(ns_dir)
-
-
-def _clean_tmp(ns_dir: Path) -> None:
-    """Delete what a crash left in ``tmp/`` (probe files, a half-written description)."""
-    for entry in os.scandir(ns_dir / "tmp"):
-        with contextlib.suppress(OSError):
-            if not entry.is_dir(follow_symlinks=False):
-                os.unlink(entry.path)
-
-
-async def _check_or_write_description(
-    ns_dir: Path, layout: KVLayout, block_bytes: int, alignment: int
-) -> None:
-    path = ns_dir / "namespace.json"
-    desc = {
-        "format": "kvtier file tier",
-        "format_version": TIER_FORMAT_VERSION,
-        "layout_kind": LAYOUT_KIND,
-        "namespace": layout.namespace.hex(),
-        "block_bytes": block_bytes,
-        "slot_bytes": HEADER_BYTES + block_bytes,
-        "header_bytes": HEADER_BYTES,
-        "alignment": alignment,
-        "layout": layout.describe(),
-    }
+def _abandon(prepared: Prepared) -> None:
+    """Undo a prepared namespace the caller no longer wants (still under the root lock)."""
     try:
-        async with aiofiles.open(path, "rb", opener=_nofollow_opener(os.O_RDONLY)) as fh:
-            existing = json.loads(await fh.read())
-    except FileNotFoundError:
-        existing = None
-    except (OSError, ValueError) as exc:
-        raise TierIOError(
-            getattr(exc, "errno", 0) or 0, f"unreadable namespace.json: {exc}", path
-        ) from exc
-    if existing is not None and existing.get("format_version") != TIER_FORMAT_VERSION:
-        log.warning(
-            "file tier: %s was written in format %s (one file per block); its blocks are "
-            "discarded and the directory is reused as a slot file",
-            ns_dir,
-            existing.get("format_version"),
-        )
-        await asyncio.to_thread(_discard_legacy, ns_dir)
-        existing = None
-    if existing is not None:
-        if (
-            existing.get("block_bytes") != block_bytes
-            or existing.get("namespace") != desc["namespace"]
-        ):
-            raise NamespaceMismatchError(
-                f"{ns_dir} holds blocks of {existing.get('block_bytes')} bytes for namespace "
-                f"{existing.get('namespace')}; this tier has {block_bytes}-byte blocks"
-            )
-        return
-    # Written whole under a temporary name, then renamed: never half a description.
-    # Buffered (no O_DIRECT: the text is not block-aligned, and it is written once).
-    tmp = ns_dir / f"tmp/namespace.json.{os.getpid()}"
-    text = json.dumps(desc, indent=2, sort_keys=True).encode() + b"\n"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    async with aiofiles.open(tmp, "wb", buffering=0, opener=_nofollow_opener(flags)) as fh:
-        await fh.write(text)
-    os.rename(tmp, path)
-
-
-def _nofollow_opener(flags: int) -> Callable[[str, int], int]:
-    def opener(path: str, _flags: int) -> int:
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-
-    return opener
-
-
-def _probe_direct_io(tmp_dir: Path, mode: str, alignment: int) -> str | None:
-    """None when O_DIRECT works in ``tmp_dir``; else the reason buffered I/O is used."""
-    if mode == "off":
-        return "direct_io is off in the configuration"
-    path = tmp_dir / f"direct-probe.{os.getpid()}"
-    buf = mmap.mmap(-1, HEADER_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    reason: str | None = None
-    err = 0
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_NOFOLLOW, 0o600)
-    except OSError as exc:
-        err = exc.errno or 0
-        reason = f"the filesystem of {tmp_dir} refuses O_DIRECT ({exc.strerror})"
-    else:
-        try:
-            # Some filesystems accept the flag and fail the first I/O instead.
-            os.pwritev(fd, [buf], 0)
-            os.preadv(fd, [buf], 0)
-        except OSError as exc:
-            err = exc.errno or 0
-            reason = f"O_DIRECT I/O fails on {tmp_dir} ({exc.strerror})"
-        finally:
-            os.close(fd)
+        prepared.undo.rollback()
     finally:
-        buf.close()
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    if reason is None:
-        return None
-    if mode == "require":
-        raise DirectIOUnsupportedError(err or _errno.EINVAL, reason, tmp_dir)
-    log.warning("file tier: %s; falling back to buffered I/O", reason)
-    return reason
+        _close_prepared(prepared)
 
 
-def _trim_quarantine(qdir: Path) -> None:
-    """Delete all but the newest :data:`_QUARANTINE_KEEP` files of ``qdir``."""
-    aged: list[tuple[int, str]] = []
-    try:
-        for entry in os.scandir(qdir):
-            with contextlib.suppress(OSError):  # gone meanwhile: nothing to trim
-                if entry.is_file(follow_symlinks=False):
-                    aged.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.path))
-    except OSError:
-        return
-    aged.sort()
-    for _, path in aged[: max(0, len(aged) - _QUARANTINE_KEEP)]:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+async def _finish(aw: Awaitable[_T]) -> tuple[_T, bool]:
+    """Await ``aw`` to its end even when the caller is cancelled meanwhile.
+
+    Returns its result and whether the caller was cancelled (the caller then
+    raises ``CancelledError`` itself). A step of an open that changes the
+    disk must not go on behind the caller's back: what it did is undone only
+    once it is known.
+    """
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = cancelled or not task.done()
+        except BaseException:
+            break  # the task's own error, raised by result() below
+    return task.result(), cancelled
+
+
+async def _run_to_end(fn: Callable[..., _T], *args: Any) -> tuple[_T, bool]:
+    """:func:`_finish` of ``fn(*args)`` run in a worker thread."""
+    return await _finish(asyncio.to_thread(fn, *args))
