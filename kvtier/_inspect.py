@@ -8,9 +8,13 @@ bytes are all zero is free; one whose header is not zero but does not decode is
 torn (an interrupted write).
 
 Reading is safe while a tier has the root open: ``blocks.dat`` is opened
-read-only, nothing here writes, renames or takes the tier's lock. A slot the
-tier rewrites while we read it may be seen half-written and reported torn or
-failing its checksum: the report describes the bytes as they were read.
+read-only, nothing here writes or renames. Whether a namespace is open is
+asked with a non-blocking shared ``flock`` on its ``lock``, under a shared
+lock on the root's ``kvtier.lock`` (held for that moment only, never during
+the slot scan), so that the question cannot make a tier that is opening fail
+(see :mod:`kvtier.tiers._root`). A slot the tier rewrites while we read it may
+be seen half-written and reported torn or failing its checksum: the report
+describes the bytes as they were read.
 
 Directories of format version 1 (one file per block under ``blocks/``) are
 reported as legacy with a count of their files and are not read: the tier
@@ -20,7 +24,6 @@ discards them when it opens.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import stat
 from dataclasses import dataclass, field
@@ -28,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import InvalidArgumentError, TierIOError
+from kvtier.tiers._description import TIER_FORMAT_VERSION as FORMAT_VERSION
+from kvtier.tiers._description import Description, read_description
 from kvtier.tiers._format import HEADER_BYTES, BlockHeader, HeaderError, checksum, decode_header
-from kvtier.tiers.file_tier import LAYOUT_KIND
-from kvtier.tiers.file_tier import TIER_FORMAT_VERSION as FORMAT_VERSION
+from kvtier.tiers._root import NamespaceUsage, lock_root_blocking, scan_root
 
 __all__ = ["BadFile", "NamespaceReport", "inspect_root"]
 
@@ -55,7 +59,16 @@ class NamespaceReport:
     namespace: str
     """The namespace (directory name, 32 hex characters)."""
     description: dict[str, Any] | None
-    """Contents of ``namespace.json`` (None when missing or unreadable)."""
+    """Contents of ``namespace.json`` (None when missing, unreadable or of the
+    wrong shape: then ``bad`` says which field)."""
+    last_used: float | None = None
+    """When a tier last opened or closed the namespace (seconds since the
+    epoch, the ``lock`` file's mtime), None when unknown."""
+    disk_bytes: int = 0
+    """Bytes allocated to the namespace directory and everything under it
+    (``st_blocks * 512``): what it takes from the root's budget."""
+    open: bool | None = None
+    """True while a tier has the namespace open; None when it could not be asked."""
     format_version: int | None = None
     """``format_version`` of ``namespace.json``; when that is missing, 2 if
     ``blocks.dat`` exists, 1 if ``blocks/`` does, else None."""
@@ -123,6 +136,9 @@ class NamespaceReport:
             "torn": self.torn,
             "duplicates": self.duplicates,
             "bytes": self.bytes,
+            "disk_bytes": self.disk_bytes,
+            "last_used": self.last_used,
+            "open": self.open,
             "quarantined": self.quarantined,
             "temporaries": self.temporaries,
             "verified": self.verified,
@@ -168,22 +184,31 @@ def inspect_root(root: Path, *, verify: bool = False) -> list[NamespaceReport]:
         raise TierIOError(exc.errno or 0, f"cannot stat the root: {exc.strerror}", root) from exc
     if not stat.S_ISDIR(st.st_mode):
         raise InvalidArgumentError(f"{root} is not a directory")
+    # A shared root lock for the open/closed question only: opens and gc take
+    # it exclusive, so none of them runs while namespaces' locks are probed.
+    # Without a root lock file no tier of this version ever opened the root.
+    lock = lock_root_blocking(root, shared=True, create=False)
     try:
-        names = sorted(os.listdir(root))
-    except OSError as exc:
-        raise TierIOError(exc.errno or 0, f"cannot list the root: {exc.strerror}", root) from exc
-    reports = []
-    for name in names:
-        ns_dir = root / name
-        if len(name) != 32 or not _is_hex(name) or not ns_dir.is_dir() or ns_dir.is_symlink():
-            continue
-        reports.append(_inspect_namespace(ns_dir, verify))
-    return reports
+        usage = scan_root(root, probe=True)
+    finally:
+        if lock is not None:
+            os.close(lock)
+    return [_inspect_namespace(ns, verify) for ns in usage.namespaces]
 
 
-def _inspect_namespace(ns_dir: Path, verify: bool) -> NamespaceReport:
+def _inspect_namespace(ns: NamespaceUsage, verify: bool) -> NamespaceReport:
+    ns_dir = ns.path
     desc_path = ns_dir / "namespace.json"
-    report = NamespaceReport(ns_dir.name, _read_description(desc_path))
+    desc: Description | None = None
+    problem: str | None = None
+    try:
+        desc = read_description(desc_path)
+    except TierIOError as exc:
+        problem = exc.strerror or str(exc)
+    report = NamespaceReport(ns_dir.name, None if desc is None else desc.raw)
+    report.last_used = ns.last_used
+    report.disk_bytes = ns.disk_bytes
+    report.open = ns.open
     report.temporaries = len(_scandir(ns_dir / "tmp"))
     report.quarantined = len(_scandir(ns_dir / "quarantine"))
     dat = ns_dir / "blocks.dat"
@@ -193,30 +218,29 @@ def _inspect_namespace(ns_dir: Path, verify: bool) -> NamespaceReport:
         # Counted in any directory: version 1 files left beside a blocks.dat
         # are disk the tier has yet to give back.
         report.legacy_files, report.legacy_bytes = _count_legacy(ns_dir / "blocks")
-    version = _int(report.description, "format_version")
+    version = None if desc is None else desc.format_version
     if version is None:
         version = 2 if has_dat else 1 if has_legacy else None
     report.format_version = version
     report.legacy = version == 1
-    if version is not None and version > FORMAT_VERSION:
-        report.bad.append(
-            BadFile(str(desc_path), f"format_version {version} is newer than this kvtier reads")
-        )
-        return report
-    kind = (report.description or {}).get("layout_kind")
-    if version == FORMAT_VERSION and kind not in (None, LAYOUT_KIND):
-        report.bad.append(BadFile(str(desc_path), f"layout_kind {kind!r} is not {LAYOUT_KIND!r}"))
-        return report
-    if not has_dat:
-        return report
-    geometry = _geometry(report.description)
-    if isinstance(geometry, str):
+    if problem is not None:
         # Without the slot size no slot can be found: say so rather than guess
         # from the first header, which may itself be torn.
-        report.bad.append(BadFile(str(desc_path), f"{geometry}; {dat.name} not read"))
+        skipped = f"; {dat.name} not read" if has_dat else ""
+        report.bad.append(BadFile(str(desc_path), f"{problem}{skipped}"))
         return report
-    report.slot_bytes, block_bytes = geometry
-    _scan(report, dat, report.slot_bytes, block_bytes, bytes.fromhex(ns_dir.name), verify)
+    if not has_dat or version != FORMAT_VERSION:
+        return report
+    if desc is None or desc.slot_bytes is None or desc.block_bytes is None:
+        report.bad.append(
+            BadFile(
+                str(desc_path),
+                f"namespace.json is missing, so the slot size is unknown; {dat.name} not read",
+            )
+        )
+        return report
+    report.slot_bytes = desc.slot_bytes
+    _scan(report, dat, desc.slot_bytes, desc.block_bytes, bytes.fromhex(ns_dir.name), verify)
     return report
 
 
@@ -336,38 +360,6 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
     return pos
 
 
-def _geometry(desc: dict[str, Any] | None) -> tuple[int, int] | str:
-    """``(slot_bytes, block_bytes)`` from a description, or why they are unknown."""
-    if desc is None:
-        return "namespace.json is missing or unreadable, so the slot size is unknown"
-    block = _int(desc, "block_bytes")
-    header = _int(desc, "header_bytes")
-    if block is None or block <= 0:
-        return f"block_bytes {desc.get('block_bytes')!r} is not a positive integer"
-    if header is not None and header != HEADER_BYTES:
-        return f"header_bytes {header} is not {HEADER_BYTES}"
-    # A version 1 description has no slot_bytes; its file_bytes is the same sum.
-    slot = _int(desc, "slot_bytes")
-    if slot is None:
-        slot = HEADER_BYTES + block
-    if slot != HEADER_BYTES + block:
-        return f"slot_bytes {slot} is not {HEADER_BYTES} + block_bytes {block}"
-    return slot, block
-
-
-def _read_description(path: Path) -> dict[str, Any] | None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as fh:
-            data = json.loads(fh.read(1 << 20))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _count_legacy(blocks: Path) -> tuple[int, int]:
     """Regular files and their bytes in the fan-out directories under ``blocks``."""
     files = size = 0
@@ -386,12 +378,6 @@ def _count_legacy(blocks: Path) -> tuple[int, int]:
                 files += 1
                 size += st.st_size
     return files, size
-
-
-def _int(desc: dict[str, Any] | None, key: str) -> int | None:
-    value = (desc or {}).get(key)
-    # bool is an int to Python but never a size or a version in namespace.json.
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _scandir(path: Path) -> list[os.DirEntry[str]]:
@@ -414,7 +400,3 @@ def _is_dir(path: Path) -> bool:
         return stat.S_ISDIR(os.stat(path, follow_symlinks=False).st_mode)
     except OSError:
         return False
-
-
-def _is_hex(name: str) -> bool:
-    return all(c in "0123456789abcdef" for c in name)

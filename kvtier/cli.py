@@ -1,4 +1,4 @@
-"""The ``kvtier`` command: ``demo``, ``bench`` and ``inspect``."""
+"""The ``kvtier`` command: ``demo``, ``bench``, ``inspect`` and ``gc``."""
 
 from __future__ import annotations
 
@@ -221,7 +221,7 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     table = Table(title=f"kvtier file tier at {args.root}")
     columns = ["namespace", "model", "format", "block bytes", "slots", "blocks", "free", "torn"]
-    columns += ["dup", "bytes", "tmp", "quarantined"]
+    columns += ["dup", "bytes", "on disk", "last use", "open", "tmp", "quarantined"]
     if args.verify:
         columns += ["verified", "bad"]
     for col in columns:
@@ -240,6 +240,9 @@ def _inspect(args: argparse.Namespace) -> int:
             str(r.torn),
             str(r.duplicates),
             _gib(r.bytes),
+            _gib(r.disk_bytes),
+            _when(r.last_used),
+            {True: "open", False: "no", None: "?"}[r.open],
             str(r.temporaries),
             str(r.quarantined),
         ]
@@ -259,6 +262,76 @@ def _inspect(args: argparse.Namespace) -> int:
         for b in r.bad:
             console.print(f"[red]bad[/red] {escape(b.path)}: {escape(b.reason)}")
     return 1 if bad else 0
+
+
+def _when(t: float | None) -> str:
+    import time
+
+    return "?" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvtier.tiers._root import collect
+
+    if args.keep_bytes is None and args.unused_for is None:
+        raise InvalidArgumentError(
+            "say what to reclaim: --keep-bytes SIZE and/or --unused-for SECONDS"
+        )
+    if args.unused_for is not None and args.unused_for < 0:
+        raise InvalidArgumentError("--unused-for must be zero or more seconds")
+    if not args.root.is_dir() or args.root.is_symlink():
+        raise InvalidArgumentError(f"{args.root} is not a directory")
+    done = collect(
+        args.root, keep_bytes=args.keep_bytes, unused_for=args.unused_for, dry_run=args.dry_run
+    )
+    status = 0 if done.target_met else 1
+    if args.json:
+        report = {
+            "dry_run": args.dry_run,
+            "removed": [
+                {
+                    "namespace": ns.name,
+                    "model_id": ns.description.model_id if ns.description else None,
+                    "last_used": ns.last_used,
+                    "disk_bytes": ns.disk_bytes,
+                }
+                for ns in done.chosen
+            ],
+            "freed_bytes": done.freed_bytes,
+            "before_bytes": done.before_bytes,
+            "after_bytes": done.after_bytes,
+            "open": [ns.name for ns in done.kept if ns.open],
+            "target_met": done.target_met,
+        }
+        print(json.dumps(report, indent=2))
+        return status
+    console = Console()
+    if not console.is_terminal:  # a pipe or a file: one line per message
+        console = Console(width=200)
+    verb = "would remove" if args.dry_run else "removed"
+    if done.chosen:
+        table = Table(title=f"kvtier gc {args.root}: {verb}")
+        for col in ("namespace", "model", "last use", "on disk"):
+            table.add_column(col, justify="right" if col == "on disk" else "left")
+        for ns in done.chosen:
+            model = ns.description.model_id if ns.description else None
+            table.add_row(ns.name, model or "?", _when(ns.last_used), _gib(ns.disk_bytes))
+        console.print(table)
+    opened = [ns.name for ns in done.kept if ns.open]
+    console.print(
+        f"{args.root}: {verb} {len(done.chosen)} namespaces ({_gib(done.freed_bytes)}); "
+        f"{_gib(done.before_bytes)} on disk before, {_gib(done.after_bytes)} after"
+        + (f"; open, never removed: {', '.join(opened)}" if opened else "")
+    )
+    if not done.target_met:
+        console.print(
+            f"[red]cannot reach --keep-bytes {args.keep_bytes}[/red]: what is left is open "
+            "or not kvtier's"
+        )
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -332,6 +405,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     insp.add_argument("--json", action="store_true", help="print the report as JSON")
     insp.set_defaults(func=_inspect)
+
+    gc = sub.add_parser(
+        "gc",
+        help="remove file tier namespaces no process has open (by age, or down to a size)",
+        description="Remove namespaces of a file tier root that no tier has open: those "
+        "unused for --unused-for seconds, then the least recently used until the root "
+        "takes at most --keep-bytes on disk. Open namespaces are never removed; only "
+        "what kvtier wrote is deleted.",
+    )
+    gc.add_argument("root", type=Path, help="the file tier root")
+    gc.add_argument(
+        "--keep-bytes",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="remove least recently used namespaces until the root takes at most SIZE",
+    )
+    gc.add_argument(
+        "--unused-for",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="remove namespaces not opened or closed for at least SECONDS",
+    )
+    gc.add_argument("--dry-run", action="store_true", help="say what would go; remove nothing")
+    gc.add_argument("--json", action="store_true", help="print the result as JSON")
+    gc.set_defaults(func=_gc)
 
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -133,7 +134,7 @@ def _tree(root: Path) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-@pytest.mark.parametrize("command", [[], ["demo"], ["bench"], ["inspect"]], ids=str)
+@pytest.mark.parametrize("command", [[], ["demo"], ["bench"], ["inspect"], ["gc"]], ids=str)
 def test_help_exits_zero(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main([*command, "--help"])
@@ -273,6 +274,102 @@ def test_inspect_lists_each_namespace(tmp_path: Path, capsys: pytest.CaptureFixt
     assert sorted((r["model_id"], r["blocks"]) for r in reports) == [("model-a", 2), ("model-b", 3)]
 
 
+def _disk(path: Path) -> int:
+    """``st_blocks * 512`` of ``path`` and everything under it."""
+    return sum(p.lstat().st_blocks * 512 for p in [path, *path.rglob("*")])
+
+
+def test_inspect_shows_last_use_disk_and_whether_open(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = _namespace(tmp_path, ["block", "free"], model="a").parent
+    b = _namespace(tmp_path, ["block"], model="b").parent
+    os.utime(b / "lock", (STORED_AT, STORED_AT))
+    (tmp_path / "kvtier.lock").touch()  # the root lock a tier leaves
+    with open(a / "lock", "rb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a is open, as a tier holds it
+        assert main(["inspect", str(tmp_path), "--json"]) == 0
+        reports = {r["model_id"]: r for r in json.loads(capsys.readouterr().out)}
+        assert main(["inspect", str(tmp_path)]) == 0
+        table = capsys.readouterr().out
+    assert (reports["a"]["open"], reports["b"]["open"]) == (True, False)
+    assert reports["b"]["last_used"] == STORED_AT
+    assert reports["a"]["last_used"] == (a / "lock").stat().st_mtime
+    assert (reports["a"]["disk_bytes"], reports["b"]["disk_bytes"]) == (_disk(a), _disk(b))
+    assert "open" in table
+    assert time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(STORED_AT)) in table
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[1, 2]", "holds a JSON array"),
+        ('"slots"', "holds a JSON string"),
+        ('{"format": "kvtier file tier", "format_version": "2"}', "'format_version' is not an"),
+        ("{oops", "is not valid JSON"),
+    ],
+    ids=["array", "string", "field-of-wrong-type", "not-json"],
+)
+def test_inspect_names_the_bad_field_of_namespace_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, needle: str
+) -> None:
+    dat = _namespace(tmp_path, ["block"])
+    desc = dat.parent / "namespace.json"
+    desc.write_text(text)
+    assert main(["inspect", str(tmp_path), "--json"]) == 1
+    (report,) = json.loads(capsys.readouterr().out)
+    ((bad,),) = [report["bad"]]
+    assert bad["path"] == str(desc)
+    assert needle in bad["reason"]
+    assert bad["reason"].endswith("blocks.dat not read")
+
+
+def test_gc_reclaims_by_age_then_by_size_and_never_an_open_namespace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    now = time.time()
+    ages = {"old": 3 * 86400, "mid": 2 * 3600, "new": 60, "live": 5 * 86400}
+    dirs = {m: _namespace(tmp_path, ["block", "block"], model=m).parent for m in ages}
+    for model, age in ages.items():
+        os.utime(dirs[model] / "lock", (now - age, now - age))
+    (tmp_path / "stray").write_bytes(b"not kvtier's")
+    (dirs["new"] / "notes.txt").write_text("kept")
+
+    def gc(*argv: str) -> tuple[int, dict[str, object]]:
+        status = main(["gc", str(tmp_path), *argv, "--json"])
+        return status, json.loads(capsys.readouterr().out)
+
+    def removed(report: dict[str, object]) -> list[str]:
+        return [r["namespace"] for r in report["removed"]]  # type: ignore[attr-defined]
+
+    with open(dirs["live"] / "lock", "rb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # live is open
+        before = _tree(tmp_path)
+        status, report = gc("--unused-for", "3600", "--dry-run")
+        assert status == 0
+        assert removed(report) == [dirs["old"].name, dirs["mid"].name]  # oldest first
+        assert report["dry_run"] is True
+        assert _tree(tmp_path) == before  # a dry run writes nothing
+        status, report = gc("--unused-for", "3600")
+        assert status == 0
+        assert removed(report) == [dirs["old"].name, dirs["mid"].name]
+        assert not dirs["old"].exists()
+        assert not dirs["mid"].exists()
+        assert report["after_bytes"] == _disk(tmp_path)
+        # Down to nothing: only "new" may go; live is open, the stray file is not kvtier's.
+        status, report = gc("--keep-bytes", "0")
+        assert status == 1  # what is left cannot go
+        assert removed(report) == [dirs["new"].name]
+        assert report["open"] == [dirs["live"].name]
+        assert (dirs["live"] / "blocks.dat").exists()
+    assert (tmp_path / "stray").read_bytes() == b"not kvtier's"
+    assert (dirs["new"] / "notes.txt").read_text() == "kept"  # a file kvtier did not write
+    assert not (dirs["new"] / "blocks.dat").exists()
+    assert main(["gc", str(tmp_path), "--unused-for", "0"]) == 0  # live is closed now
+    assert "removed 1 namespaces" in capsys.readouterr().out
+    assert not dirs["live"].exists()
+
+
 def test_inspect_empty_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(tmp_path)]) == 0
     assert "no kvtier namespaces" in capsys.readouterr().out
@@ -285,8 +382,17 @@ def test_inspect_empty_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         (["inspect", "/etc/hostname"], "not a directory"),
         (["bench", "--block-size", "1000"], "multiples of 4096"),
         (["bench", "--queue-depth", "0"], "must be positive"),
+        (["gc", "/nonexistent/kvtier-root"], "say what to reclaim"),
+        (["gc", "/nonexistent/kvtier-root", "--unused-for", "60"], "not a directory"),
     ],
-    ids=["missing-root", "root-is-file", "unaligned-block", "zero-depth"],
+    ids=[
+        "missing-root",
+        "root-is-file",
+        "unaligned-block",
+        "zero-depth",
+        "gc-no-rule",
+        "gc-no-root",
+    ],
 )
 def test_errors_are_one_line_and_exit_2(
     argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
