@@ -181,7 +181,11 @@ async def foreign_namespace_file(ctx: Ctx) -> None:
     path, offset = find_block(ctx.tmp / "tier", k[0])
     other_kv = make_kv()
     other = make_layout(other_kv, model="other-model")
-    other_cfg = file_config(ctx.tmp / "tier")
+    # Beside the open reference tier (160 slots), on the same root: a budget of
+    # the root that leaves this namespace room for its own slots.
+    other_cfg = config(
+        file_tier=FileTierConfig(root=ctx.tmp / "tier", bytes_to_use=400 * (ROW + 4096))
+    )
     engine = await Engine.open(other_cfg, other, other_kv)
     try:
         ok = chain_keys(list(range(engine.block_tokens)), engine.block_tokens, engine.namespace)
