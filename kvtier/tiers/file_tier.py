@@ -2,14 +2,17 @@
 
 Every block of a namespace lives in one preallocated file, at a slot::
 
-    <root>/                               0700, created if missing
+    <root>/                               0700, created if missing; bytes_to_use is its budget
+      kvtier.lock                         flock'ed while a namespace is opened (accounting)
       <namespace hex>/                    0700, one per KV layout namespace
         namespace.json                    human-readable: layout, block size, format
-        lock                              flock'ed by the process that has it open
+        lock                              flock'ed by the process that has it open;
+                                          its mtime is the namespace's last use
         blocks.dat                        0600: slot i at i * slot_bytes, its size
-                                          reserved at open (the byte budget)
+                                          reserved at open (the namespace's share)
         tmp/                              probe files only
-        quarantine/                       copies of blocks that failed verification (bounded)
+        quarantine/                       copies of blocks that failed verification
+                                          (at most min(8, slots // 16))
 
 A slot is a 4096-byte header (magic, key, namespace, payload length and XXH3,
 see :mod:`kvtier.tiers._format`) followed by the payload; a zero header is a
@@ -321,7 +324,8 @@ class FileTier:
 
     Open with :meth:`open`; close with :meth:`aclose`. Every slot of a tier
     has ``4096 + block_bytes`` bytes, and ``blocks.dat`` has as many slots as
-    ``bytes_to_use`` holds, reserved at open. Methods are called from the
+    the namespace's share of the root's ``bytes_to_use`` holds (see
+    :mod:`kvtier.tiers._root`), reserved at open. Methods are called from the
     event loop the tier was opened on.
 
     Notes
