@@ -7,16 +7,16 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier.errors import InvalidArgumentError, KVTierError
 
 if TYPE_CHECKING:
-    from rich.table import Table
+    from rich.console import Console
 
-    from kvtier._demo import DemoReport
+    from kvtier.demo.serving import DemoResult, DemoSettings, TierSizes
 
 __all__ = ["main"]
 
@@ -26,101 +26,121 @@ def _gib(n: float) -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from rich.console import Console
-    from rich.live import Live
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.text import Text
 
-    from kvtier._demo import DemoSettings, run_demo
-    from kvtier.engine import Engine
+    from kvtier.demo.report import render
+    from kvtier.demo.serving import DemoSettings
 
-    settings = DemoSettings(
-        conversations=args.conversations,
-        turns=args.turns,
-        concurrency=args.concurrency,
-        seed=args.seed,
-        root=args.root,
-        prefill_tokens_per_s=args.prefill_rate,
+    if any(v is not None and v < 1 for v in (args.conversations, args.turns, args.concurrency)):
+        raise InvalidArgumentError("--conversations, --turns and --concurrency must be positive")
+    settings = DemoSettings.quick() if args.quick else DemoSettings()
+    workload = settings.workload
+    for name in ("conversations", "turns", "seed"):
+        if getattr(args, name) is not None:
+            workload = replace(workload, **{name: getattr(args, name)})
+    settings = replace(
+        settings,
+        workload=workload,
+        concurrency=args.concurrency or settings.concurrency,
+        tmp_parent=args.dir,
+        corrupt_one_block=args.corrupt_one_block,
     )
     console = Console()
-    progress = Progress(
-        TextColumn("[bold]serving"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("hit rate {task.fields[hit]:>6.1%}"),
-        TextColumn("cpu {task.fields[cpu]}"),
-        TextColumn("file {task.fields[file]}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
+    if not console.is_terminal:  # a pipe or a file: do not squeeze the tables into 80 columns
+        console = Console(width=160)
+    total = workload.conversations * workload.turns
+    console.print(
+        f"kvtier demo: {total} requests ({workload.conversations} conversations x "
+        f"{workload.turns} turns, {settings.concurrency} at once) on a "
+        f"{settings.model.layers}-layer Llama-shaped model, CPU standing in for the GPU"
     )
-    total = settings.conversations * settings.turns
-    task = progress.add_task("requests", total=total, hit=0.0, cpu="-", file="-")
 
-    def update(report: DemoReport, engine: Engine) -> None:
-        st = engine.statistics()
-        file_used = "-" if st.file is None else f"{st.file.blocks} blk"
-        progress.update(
-            task,
-            completed=report.requests,
-            hit=report.blocks_loaded / max(report.blocks_requested, 1),
-            cpu=f"{st.cpu.used}/{st.cpu.capacity} rows",
-            file=file_used,
+    def opened(sizes: TierSizes) -> None:
+        console.print(
+            f"the workload spans {sizes.workload_blocks} blocks of KV "
+            f"({_mib(sizes.workload_blocks * sizes.block_bytes)}); device: "
+            f"{sizes.device_blocks} blocks of {settings.block_tokens} tokens; CPU tier: "
+            f"{sizes.cpu_blocks} blocks ({_mib(sizes.cpu_bytes)}); file tier: "
+            f"{_mib(sizes.file_bytes)} in {sizes.file_root} (removed at the end)",
+            highlight=False,
+            soft_wrap=True,
         )
 
-    with Live(progress, console=console, refresh_per_second=8, transient=False):
-        report = asyncio.run(run_demo(settings, update))
-    console.print(_demo_table(report))
-    if report.blocks_wrong:
-        console.print(f"[red]{report.blocks_wrong} loaded blocks had wrong bytes")
-        return 1
-    return 0
+    if console.is_terminal:
+        result = _demo_live(console, settings, total, opened)
+    else:
+        result = _demo_logged(console, settings, opened)
+    for part in render(result):
+        console.print(part, soft_wrap=isinstance(part, Text))
+    return 1 if result.mismatches else 0
 
 
-def _demo_table(report: DemoReport) -> Table:
-    from rich.table import Table
+def _demo_live(
+    console: Console, settings: DemoSettings, total: int, opened: Callable[[TierSizes], None]
+) -> DemoResult:
+    """Run the demo under progress bars (a terminal)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    st = report.stats
-    if st is None:
-        raise RuntimeError("the demo ended without engine statistics")
-    table = Table(
-        title="kvtier demo: simulated serving loop (CPU stands in for the GPU)",
-        caption="GB/s: bytes over the time the tier had work in flight, in a loop busy "
-        "simulating a model; `kvtier bench` measures tier throughput",
+    from kvtier.demo.serving import RequestRecord, run_demo
+
+    progress = Progress(
+        TextColumn("{task.description:<10}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[note]}"),
+        TimeElapsedColumn(),
+        console=console,
     )
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    req = max(report.blocks_requested, 1)
-    cpu_hits = st.cpu_traffic.hits
-    file_hits = 0 if st.file_traffic is None else st.file_traffic.hits
-    cpu_in, cpu_out = st.cpu_traffic, st.cpu_traffic
-    table.add_row(
-        "requests / offloaded blocks asked", f"{report.requests} / {report.blocks_requested}"
-    )
-    table.add_row("hit rate, CPU tier", f"{cpu_hits / req:.1%}")
-    table.add_row("hit rate, file tier", f"{file_hits / req:.1%}")
-    table.add_row(
-        "blocks loaded (verified, wrong)",
-        f"{report.blocks_loaded} ({report.blocks_verified} sub-blocks, "
-        f"{report.blocks_wrong} wrong)",
-    )
-    table.add_row("blocks computed (misses)", f"{report.blocks_computed}")
-    table.add_row("device -> CPU", f"{_gib(cpu_in.bytes_in)} at {cpu_in.gbps_in:.2f} GB/s")
-    table.add_row("CPU -> device", f"{_gib(cpu_out.bytes_out)} at {cpu_out.gbps_out:.2f} GB/s")
-    if st.file_traffic is not None:
-        ft = st.file_traffic
-        table.add_row("CPU -> file", f"{_gib(ft.bytes_in)} at {ft.gbps_in:.2f} GB/s")
-        table.add_row("file -> CPU (promotions)", f"{_gib(ft.bytes_out)} at {ft.gbps_out:.2f} GB/s")
-    table.add_row(
-        "CPU evictions / file evictions",
-        f"{st.cpu.evictions} / {0 if st.file is None else st.file.evictions}",
-    )
-    table.add_row("wall time", f"{report.seconds:.1f} s")
-    saved = report.tokens_reused / report.prefill_tokens_per_s
-    table.add_row(
-        f"recompute avoided at {report.prefill_tokens_per_s:,.0f} tok/s prefill",
-        f"{report.tokens_reused:,} tokens = {saved:.1f} s of prefill",
-    )
-    return table
+    serving = progress.add_task("serving", total=total, note="")
+    checking = progress.add_task("checking", total=total, note="", start=False)
+    counts = {"cpu": 0, "file": 0, "none": 0, "wrong": 0}
+
+    def update(kind: str, record: RequestRecord, done: int, _total: int) -> None:
+        if kind == "served":
+            counts[record.source] += 1
+            note = f"prefix from CPU {counts['cpu']}, file {counts['file']}, none {counts['none']}"
+            progress.update(serving, completed=done, note=note)
+        else:
+            progress.start_task(checking)
+            counts["wrong"] += not record.identical
+            progress.update(checking, completed=done, note=f"{counts['wrong']} differ")
+
+    with progress:
+        return asyncio.run(run_demo(settings, update, opened))
+
+
+def _demo_logged(
+    console: Console, settings: DemoSettings, opened: Callable[[TierSizes], None]
+) -> DemoResult:
+    """Run the demo with a line per request (not a terminal)."""
+    from kvtier.demo.serving import RequestRecord, run_demo
+
+    def log(kind: str, r: RequestRecord, done: int, total: int) -> None:
+        if kind == "served":
+            console.print(
+                f"served {done}/{total}: conversation {r.conversation} turn {r.turn + 1}, "
+                f"{r.prompt_tokens} tokens, {r.loaded_tokens} loaded ({r.cpu_blocks} blocks "
+                f"from CPU, {r.file_blocks} from file), TTFT {r.ttft_s * 1e3:.0f} ms",
+                highlight=False,
+                soft_wrap=True,
+            )
+        else:
+            verdict = "identical" if r.identical else "DIFFERENT"
+            console.print(
+                f"checked {done}/{total}: request {r.index}, recompute "
+                f"{r.recompute_s * 1e3:.0f} ms, {verdict}",
+                highlight=False,
+                soft_wrap=True,
+            )
+
+    return asyncio.run(run_demo(settings, log, opened))
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
 
 def _size(text: str) -> int:
@@ -342,19 +362,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run a simulated async serving loop over all tiers")
-    demo.add_argument("--conversations", type=int, default=48)
-    demo.add_argument("--turns", type=int, default=4)
-    demo.add_argument("--concurrency", type=int, default=8)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument(
-        "--prefill-rate",
-        type=float,
-        default=8000.0,
-        help="assumed prefill tokens/s, for the recompute time avoided",
+    demo = sub.add_parser(
+        "demo",
+        help="serve multi-turn chats with a small real model over every tier, "
+        "checked against full recompute",
     )
     demo.add_argument(
-        "--root", type=Path, default=None, help="file tier root (default: a temporary directory)"
+        "--quick", action="store_true", help="a few short requests (seconds), as the tests run"
+    )
+    demo.add_argument("--conversations", type=int, default=None)
+    demo.add_argument("--turns", type=int, default=None)
+    demo.add_argument("--concurrency", type=int, default=None, help="requests in flight at once")
+    demo.add_argument("--seed", type=int, default=None, help="seed of the token streams")
+    demo.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where the file tier's temporary directory goes (default: the system's)",
+    )
+    demo.add_argument(
+        "--corrupt-one-block",
+        action="store_true",
+        help="zero one loaded KV block, to see the output check fail (exit status 1)",
     )
     demo.set_defaults(func=_demo)
 

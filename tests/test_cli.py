@@ -435,11 +435,3 @@ def test_bench_measures_every_tier(tmp_path: Path, capsys: pytest.CaptureFixture
         assert row[field] > 0, field
     assert row["fio_write"] is None
     assert list(tmp_path.iterdir()) == []  # the bench cleans up after itself
-
-
-def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["demo", "--conversations", "6", "--turns", "2", "--root", str(tmp_path)]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "hit rate, CPU tier" in out
-    assert "0 wrong" in out

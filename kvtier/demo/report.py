@@ -1,0 +1,298 @@
+"""The demo's figures and its tables.
+
+Every field of :class:`~kvtier.engine.EngineStatistics` that the demo reads is
+read in :func:`read_statistics`, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtier.engine import EngineStatistics
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+    from kvtier.demo.serving import DemoResult, RequestRecord, Source
+
+__all__ = ["SourceFigures", "TierFigures", "read_statistics", "render", "source_figures"]
+
+
+@dataclass(frozen=True, slots=True)
+class TierFigures:
+    """What the demo takes from the engine's statistics."""
+
+    cpu_hits: int
+    """Offloaded blocks that lookups found in the CPU tier."""
+    file_hits: int
+    """Offloaded blocks that lookups found in the file tier (and not in the CPU tier)."""
+    cpu_capacity: int
+    """Rows (blocks) of the CPU tier."""
+    cpu_evictions: int
+    """Blocks the CPU tier evicted."""
+    file_blocks: int
+    """Blocks resident in the file tier."""
+    file_evictions: int
+    """Blocks the file tier evicted."""
+    promotions: int
+    """Blocks read from the file tier into the CPU tier."""
+    load_shortfalls: int
+    """Blocks a load promised and could not deliver."""
+    dropped: int
+    """Blocks a store could not place."""
+
+
+def read_statistics(st: EngineStatistics) -> TierFigures:
+    """The demo's view of ``st``: the one place that names its fields."""
+    file_traffic, file_tier = st.file_traffic, st.file
+    return TierFigures(
+        cpu_hits=st.cpu_traffic.lookup_hits,
+        file_hits=0 if file_traffic is None else file_traffic.lookup_hits,
+        cpu_capacity=st.cpu.capacity,
+        cpu_evictions=st.cpu.evictions,
+        file_blocks=0 if file_tier is None else file_tier.blocks,
+        file_evictions=0 if file_tier is None else file_tier.evictions,
+        promotions=st.promotions,
+        load_shortfalls=st.load_shortfalls,
+        dropped=st.dropped,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SourceFigures:
+    """Requests grouped by where their prefix came from, against their recompute."""
+
+    label: str
+    """What the group is."""
+    requests: int
+    """Requests in the group."""
+    prompt_tokens: float
+    """Median prompt length."""
+    loaded_tokens: float
+    """Median tokens loaded instead of computed."""
+    cpu_share: float
+    """Share of the group's hit blocks that came from the CPU tier."""
+    ttft_median: float
+    """Median time to first token with kvtier (load + prefill of the rest), seconds."""
+    ttft_p95: float
+    """95th percentile (nearest rank) of the same."""
+    recompute_median: float
+    """Median time to first token of a full recompute of the same prompts, seconds."""
+    recompute_p95: float
+    """95th percentile (nearest rank) of the same."""
+    speedup: float
+    """Median over the group of recompute time over kvtier time, request by request."""
+    slower: int
+    """Requests where kvtier's time to first token was above the recompute's."""
+    load_per_token: float
+    """Seconds of lookup and load per loaded token (total over total); nan with none."""
+    prefill_per_token: float
+    """Seconds of kvtier's prefill per computed token (total over total)."""
+    recompute_per_token: float
+    """Seconds of full-recompute prefill per prompt token (total over total)."""
+
+
+def _p95(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[max(math.ceil(0.95 * len(ordered)) - 1, 0)]
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else math.nan
+
+
+def source_figures(label: str, records: Sequence[RequestRecord]) -> SourceFigures | None:
+    """The figures of ``records`` (None when there are none)."""
+    if not records:
+        return None
+    hit = sum(r.cpu_blocks + r.file_blocks for r in records)
+    loaded = sum(r.loaded_tokens for r in records)
+    computed = sum(r.prompt_tokens - r.loaded_tokens for r in records)
+    return SourceFigures(
+        label=label,
+        requests=len(records),
+        prompt_tokens=statistics.median(r.prompt_tokens for r in records),
+        loaded_tokens=statistics.median(r.loaded_tokens for r in records),
+        cpu_share=_ratio(sum(r.cpu_blocks for r in records), hit),
+        ttft_median=statistics.median(r.ttft_s for r in records),
+        ttft_p95=_p95([r.ttft_s for r in records]),
+        recompute_median=statistics.median(r.recompute_s for r in records),
+        recompute_p95=_p95([r.recompute_s for r in records]),
+        speedup=statistics.median(r.recompute_s / r.ttft_s for r in records),
+        slower=sum(r.ttft_s > r.recompute_s for r in records),
+        load_per_token=_ratio(sum(r.load_s for r in records if r.loaded_tokens), loaded),
+        prefill_per_token=_ratio(sum(r.prefill_s for r in records), computed),
+        recompute_per_token=_ratio(
+            sum(r.recompute_s for r in records), sum(r.prompt_tokens for r in records)
+        ),
+    )
+
+
+_SOURCES: tuple[tuple[Source, str], ...] = (
+    ("cpu", "CPU tier"),
+    ("file", "file tier"),
+    ("none", "nothing loaded"),
+)
+
+
+def _groups(result: DemoResult) -> list[SourceFigures]:
+    out = []
+    for source, label in _SOURCES:
+        figures = source_figures(label, [r for r in result.records if r.source == source])
+        if figures is not None:
+            out.append(figures)
+    every = source_figures("all requests", result.records)
+    if every is not None:
+        out.append(every)
+    return out
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.0f}" if s >= 0.1 else f"{s * 1e3:,.1f}"
+
+
+def _us(s: float) -> str:
+    return "-" if math.isnan(s) else f"{s * 1e6:,.1f}"
+
+
+def _times(num: float, den: float) -> str:
+    return "-" if math.isnan(num) or math.isnan(den) or not den else f"{num / den:,.0f}x"
+
+
+def render(result: DemoResult) -> list[RenderableType]:
+    """The report: the tiers, time to first token by source, per token, the verdict."""
+    from rich.table import Table
+    from rich.text import Text
+
+    st, sizes, records = result.tiers, result.sizes, result.records
+    block_tokens = result.settings.block_tokens * result.settings.blocks_per_chunk
+    tiers = Table(title=f"Tiers (blocks of {block_tokens} tokens, {_mib(sizes.block_bytes)} each)")
+    for col in ("tier", "capacity", "requests hit", "blocks hit", "evicted", "resident at end"):
+        tiers.add_column(col, justify="left" if col == "tier" else "right")
+    tiers.add_row(
+        "device (KV tensors)",
+        f"{sizes.device_blocks * result.settings.block_tokens:,} tokens",
+        "-",
+        "-",
+        "-",
+        "-",
+    )
+    tiers.add_row(
+        "CPU tier",
+        f"{st.cpu_capacity} blocks, {_mib(sizes.cpu_bytes)}",
+        str(sum(r.cpu_blocks > 0 for r in records)),
+        str(st.cpu_hits),
+        str(st.cpu_evictions),
+        "-",
+    )
+    tiers.add_row(
+        "file tier",
+        _mib(sizes.file_bytes),
+        str(sum(r.file_blocks > 0 for r in records)),
+        f"{st.file_hits} ({st.promotions} promoted)",
+        str(st.file_evictions),
+        str(st.file_blocks),
+    )
+
+    groups = _groups(result)
+    ttft = Table(
+        title="Time to first token, ms: kvtier against a full recompute of the same prompts",
+        caption="kvtier: lookup + load + prefill of the rest; recompute: prefill of the whole "
+        "prompt, alone, after serving; both without queueing for the model. Nothing loaded: "
+        "the same work both ways, so its speed-up shows the noise of the measurement.",
+    )
+    for col in (
+        "prefix mostly from",
+        "requests",
+        "prompt tokens",
+        "loaded tokens",
+        "kvtier median",
+        "kvtier p95",
+        "recompute median",
+        "recompute p95",
+        "speed-up",
+    ):
+        ttft.add_column(col, justify="left" if col == "prefix mostly from" else "right")
+    for g in groups:
+        label = g.label
+        if g.label == "CPU tier":
+            label += f" ({g.cpu_share:.0%} of hits)"
+        elif g.label == "file tier":
+            label += f" ({1 - g.cpu_share:.0%} of hits)"
+        ttft.add_row(
+            label,
+            str(g.requests),
+            f"{g.prompt_tokens:,.0f}",
+            f"{g.loaded_tokens:,.0f}",
+            _ms(g.ttft_median),
+            _ms(g.ttft_p95),
+            _ms(g.recompute_median),
+            _ms(g.recompute_p95),
+            f"{g.speedup:,.1f}x",
+        )
+
+    per_token = Table(
+        title="Per token, µs",
+        caption="load: lookup and load over the tokens loaded; prefill: over the tokens computed "
+        "(a forward pass has a floor, so short prefills cost more per token)",
+    )
+    for col in ("", "load", "prefill with kvtier", "prefill, full recompute", "recompute / load"):
+        per_token.add_column(col, justify="left" if not col else "right")
+    for g in groups:
+        if g.label == "all requests":
+            continue
+        per_token.add_row(
+            g.label,
+            _us(g.load_per_token),
+            _us(g.prefill_per_token),
+            _us(g.recompute_per_token),
+            "-"
+            if math.isnan(g.load_per_token)
+            else f"{g.recompute_per_token / g.load_per_token:,.0f}x",
+        )
+
+    n = len(records)
+    same_tokens = sum(r.tokens_identical for r in records)
+    same_logits = sum(r.logits_identical for r in records)
+    answer = result.settings.workload.answer_tokens
+    ok = result.mismatches == 0
+    lines = [
+        Text(
+            f"outputs: {same_tokens}/{n} requests generated the same {answer} greedy tokens as "
+            f"a full recompute; first-token logits identical bit for bit in {same_logits}/{n}",
+            style="bold green" if ok else "bold red",
+        ),
+    ]
+    busy = sum(r.prefill_s for r in records)
+    recompute = sum(r.recompute_s for r in records)
+    queue = statistics.median(r.queue_s for r in records) if records else 0.0
+    lines.append(
+        Text(
+            f"wall time: serving {result.serve_s:.1f} s, recomputing for the check "
+            f"{result.verify_s:.1f} s; prefill {busy:.1f} s with kvtier against {recompute:.1f} s "
+            f"recomputed; waiting for the model (not in TTFT): median {_ms(queue)} ms"
+        )
+    )
+    for g in groups:
+        if g.slower and g.label in ("CPU tier", "file tier"):
+            lines.append(
+                Text(
+                    f"{g.label}: slower than recompute for {g.slower} of {g.requests} requests",
+                    style="yellow",
+                )
+            )
+    if st.load_shortfalls or st.dropped:
+        lines.append(
+            Text(
+                f"{st.load_shortfalls} blocks fell short on load, {st.dropped} not stored (no room)"
+            )
+        )
+    return [tiers, ttft, per_token, *lines]
