@@ -70,14 +70,26 @@ class StoreSummary:
 
 @dataclass(frozen=True, slots=True)
 class TierCounters:
-    """Traffic through one tier as the engine saw it."""
+    """What requests got from one tier, and what moved through it, as the engine saw it.
 
-    hits: int
-    """Blocks that :meth:`Engine.lookup` found ready in this tier (first tier wins)."""
+    The CPU tier's traffic is device <-> CPU rows (``in``: stores, ``out``:
+    loads); the file tier's is CPU rows <-> file (``in``: write-through and
+    write-back, ``out``: promotions into CPU rows).
+    """
+
+    lookup_hits: int
+    """Keys that :meth:`Engine.lookup` counted in the loadable prefix and
+    attributed to this tier: the CPU tier when the block is ready there or its
+    store or promotion is in flight, else the file tier. Over all tiers they
+    add up to ``lookups - lookup_misses``."""
+    blocks_in: int
+    """Blocks written into this tier (completed copies only)."""
+    blocks_out: int
+    """Blocks read out of this tier (completed copies only)."""
     bytes_in: int
-    """Bytes written into this tier."""
+    """Bytes of ``blocks_in``."""
     bytes_out: int
-    """Bytes read out of this tier."""
+    """Bytes of ``blocks_out``."""
     seconds_in: float
     """Time during which at least one job was writing into this tier (overlapping
     jobs count once), so that ``bytes_in / seconds_in`` is the throughput while busy."""
@@ -100,13 +112,19 @@ class EngineStatistics:
     """A snapshot of every tier and of the engine's own counters."""
 
     cpu: ManagerStatistics
-    """Residency of the CPU region (capacity and usage in rows = blocks)."""
+    """Residency of the CPU region: capacity and usage in rows (= blocks), blocks
+    ready, being written, pinned and evictable, evictions. Its ``hits`` and
+    ``misses`` are the residency manager's own (keys ready in the CPU tier from
+    the first key of a lookup on); what requests got from each tier is
+    ``cpu_traffic.lookup_hits`` and ``file_traffic.lookup_hits``."""
     cpu_traffic: TierCounters
-    """Device <-> CPU traffic."""
+    """Lookup hits of the CPU tier, and device <-> CPU traffic."""
     file: FileTierStatistics | None
-    """The file tier's own statistics, or None without a file tier."""
+    """The file tier's own statistics (occupancy, verification, recovery; its
+    ``hits`` are blocks read and verified), or None without a file tier."""
     file_traffic: TierCounters | None
-    """CPU <-> file traffic as the engine drove it, or None without a file tier."""
+    """Lookup hits of the file tier, and CPU <-> file traffic as the engine drove
+    it, or None without a file tier."""
     lookups: int
     """Keys passed to :meth:`Engine.lookup`."""
     lookup_misses: int
@@ -134,7 +152,9 @@ class EngineStatistics:
 
 @dataclass(slots=True)
 class _Counter:
-    hits: int = 0
+    lookup_hits: int = 0
+    blocks_in: int = 0
+    blocks_out: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
     seconds_in: float = 0.0
@@ -149,21 +169,29 @@ class _Counter:
             self._since[i] = time.perf_counter()
         self._active[i] += 1
 
-    def end(self, into: bool, nbytes: int) -> None:
-        """That job ended, having moved ``nbytes`` (0 when it failed)."""
+    def end(self, into: bool, blocks: int, block_bytes: int) -> None:
+        """That job ended, having moved ``blocks`` of ``block_bytes`` (0 when it failed)."""
         i = 0 if into else 1
         self._active[i] -= 1
         busy = time.perf_counter() - self._since[i] if self._active[i] == 0 else 0.0
         if into:
-            self.bytes_in += nbytes
+            self.blocks_in += blocks
+            self.bytes_in += blocks * block_bytes
             self.seconds_in += busy
         else:
-            self.bytes_out += nbytes
+            self.blocks_out += blocks
+            self.bytes_out += blocks * block_bytes
             self.seconds_out += busy
 
     def freeze(self) -> TierCounters:
         return TierCounters(
-            self.hits, self.bytes_in, self.bytes_out, self.seconds_in, self.seconds_out
+            self.lookup_hits,
+            self.blocks_in,
+            self.blocks_out,
+            self.bytes_in,
+            self.bytes_out,
+            self.seconds_in,
+            self.seconds_out,
         )
 
 
@@ -502,12 +530,12 @@ class Engine:
         check_keys(keys)
         cpu, file_tier, inflight = self._cpu, self._file, self._inflight
         n = cpu.lookup(keys)
-        self._t_cpu.hits += n
+        self._t_cpu.lookup_hits += n
         for key in keys[n:]:
             if key in inflight or cpu.is_ready(key):
-                self._t_cpu.hits += 1
+                self._t_cpu.lookup_hits += 1
             elif file_tier is not None and file_tier.is_ready(key):
-                self._t_file.hits += 1
+                self._t_file.lookup_hits += 1
             else:
                 break
             n += 1
@@ -612,11 +640,10 @@ class Engine:
         for k in plan.keys:
             self._inflight[k] = job
         self._t_cpu.begin(True)
-        nbytes = len(plan.keys) * self._layout.bytes_per_chunk
 
         def copied(c: Completion[None]) -> None:
             ok = c.exception() is None and not cancelled[0]
-            self._t_cpu.end(True, nbytes if ok else 0)
+            self._t_cpu.end(True, len(plan.keys) if ok else 0, self._layout.bytes_per_chunk)
             self._cpu.complete_store(plan.keys, ok)
             for k in plan.keys:
                 self._inflight.pop(k, None)
@@ -744,8 +771,8 @@ class Engine:
 
         def finished(c: Completion[StoreResult]) -> None:
             exc = c.exception()
-            written = 0 if exc is not None else len(c.result().stored) * self._region.row_stride
-            self._t_file.end(True, written)
+            written = 0 if exc is not None else len(c.result().stored)
+            self._t_file.end(True, written, self._region.row_stride)
             if exc is not None:
                 self._n["write_through_failures"] += len(keys)
                 log.warning("file tier write of %d blocks failed: %s", len(keys), exc)
@@ -893,7 +920,7 @@ class Engine:
         copy = _guarded(
             lambda: self._xfer.load(slots, _prefix_ids(ids, n * self._bpc - skip), skip)
         )
-        nbytes = n * self._layout.bytes_per_chunk
+        block_bytes = self._layout.bytes_per_chunk
         # What flush waits for: done only after the rows are unpinned, not when
         # the copy is (its done callbacks run a loop iteration later).
         settled: Completion[None] = Completion()
@@ -901,7 +928,7 @@ class Engine:
         def copied(c: Completion[None]) -> None:
             try:
                 self._cpu.complete_load(used)
-                self._t_cpu.end(False, nbytes if c.exception() is None else 0)
+                self._t_cpu.end(False, n if c.exception() is None else 0, block_bytes)
             finally:
                 settled.set_result(None)  # never leave flush waiting
 
@@ -954,7 +981,7 @@ class Engine:
             for k in plan.keys:
                 self._inflight.pop(k, None)
             self._n["promotions"] += len(good)
-            self._t_file.end(False, len(good) * self._region.row_stride)
+            self._t_file.end(False, len(good), self._region.row_stride)
             job.done.set_result(None)
 
         self._after_claim(plan, start).add_done_callback(finished)

@@ -474,3 +474,33 @@ async def test_aclose_writes_through_what_is_in_flight_or_counts_it(
     assert on_file + abandoned == n
     if seconds:
         assert (on_file, abandoned) == (n, 0)
+
+
+# -- statistics -------------------------------------------------------------------------
+
+
+async def test_statistics_give_each_figure_one_meaning(tmp_path: Path) -> None:
+    async with engine_for(tmp_path, cpu_rows=4) as (engine, _kv):
+        keys = keys_for(engine, 8)
+        await engine.store(keys, list(range(8)))  # streams: the CPU tier keeps the last 4
+        await engine.flush()
+        assert engine.lookup(keys) == 8
+        assert engine.lookup(keys_for(engine, 2, salt=1)) == 0
+        st = engine.statistics()
+        assert st.file_traffic is not None
+        # Lookup hits per tier: the first 4 from the file tier, the last 4 from the CPU's.
+        assert (st.cpu_traffic.lookup_hits, st.file_traffic.lookup_hits) == (4, 4)
+        assert (st.lookups, st.lookup_misses) == (10, 2)
+        assert st.lookups - st.lookup_misses == (
+            st.cpu_traffic.lookup_hits + st.file_traffic.lookup_hits
+        )
+        assert await engine.load(keys[:4], list(range(4))) == 4  # promoted, then copied
+        st = engine.statistics()
+        assert st.file_traffic is not None
+        row = st.file_traffic.bytes_in // st.file_traffic.blocks_in
+        assert (st.cpu_traffic.blocks_in, st.cpu_traffic.blocks_out) == (8, 4)
+        assert (st.file_traffic.blocks_in, st.file_traffic.blocks_out) == (8, 4)
+        assert st.cpu_traffic.bytes_in == 8 * engine.layout.bytes_per_chunk
+        assert st.cpu_traffic.bytes_out == 4 * engine.layout.bytes_per_chunk
+        assert st.file_traffic.bytes_out == 4 * row
+        assert st.promotions == 4
