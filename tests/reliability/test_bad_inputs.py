@@ -9,6 +9,7 @@ still load with its own bytes.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import sys
 from collections.abc import Awaitable, Callable
@@ -134,6 +135,16 @@ async def open_tp_rank(ctx: Ctx) -> None:
         await open_with(ctx, file_config(root), kv=kv, layout=layout)
     finally:
         assert not root.exists(), "refused before anything was created"
+
+
+async def namespace_json_of_the_wrong_shape(ctx: Ctx) -> None:
+    kv = make_kv()
+    layout = make_layout(kv)
+    root = ctx.tmp / "described"
+    ns_dir = root / layout.namespace.hex()
+    ns_dir.mkdir(parents=True, mode=0o700, exist_ok=True)
+    (ns_dir / "namespace.json").write_text("[1, 2]")
+    await open_with(ctx, file_config(root), kv=kv, layout=layout)
 
 
 async def closed_engine_call(ctx: Ctx, what: str) -> None:
@@ -364,6 +375,7 @@ ROWS: list[Row] = [
         TierIOError,
     ),
     ("root-without-o-direct", root_without_direct_io, DirectIOUnsupportedError),
+    ("namespace-json-a-list", namespace_json_of_the_wrong_shape, TierIOError),
     ("corrupted-header", corrupt_header_then_load, BlockNotFoundError),
     ("foreign-namespace-file", foreign_namespace_file, BlockNotFoundError),
     ("store-after-aclose", lambda c: closed_engine_call(c, "store"), ClosedError),
@@ -415,6 +427,39 @@ async def test_bad_input_is_typed_and_loses_nothing(
         st = engine.statistics()
         assert st.cpu.pinned == 0
         assert st.in_flight == 0
+
+
+FAILED_OPENS = [
+    "budget-beyond-memory",
+    "namespace-json-a-list",
+    "root-is-a-file",
+    "layout-tp-rank-of-two",
+    "tensor-wrong-shape",
+]
+
+
+@pytest.mark.parametrize("name", FAILED_OPENS)
+async def test_a_failed_open_releases_everything(tmp_path: Path, name: str) -> None:
+    call = next(row[1] for row in ROWS if row[0] == name)
+    ctx = Ctx(None, [], tmp_path, [], [])  # type: ignore[arg-type]  # opens need no engine
+    with pytest.raises(KVTierError):
+        await call(ctx)  # once first: thread pools and caches settle
+    gc.collect()
+    before = _mappings(), _descriptors()
+    for _ in range(20):
+        with pytest.raises(KVTierError):
+            await call(ctx)
+    gc.collect()
+    assert (_mappings(), _descriptors()) == before
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return len(f.readlines())
+
+
+def _descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
 
 
 def _state(engine: Engine) -> tuple[int, ...]:
