@@ -50,10 +50,11 @@ class ModelConfig:
     """Shape of the demo model.
 
     The default is a 6-layer decoder of about 37M parameters outside the
-    (tied) embedding, whose bfloat16 KV is 3 KiB per token: about 41 bytes of
-    KV per MFLOP of prefill compute per token, the proportion of a 7B model
+    (tied) embedding, whose bfloat16 KV is 3 KiB per token for 73 MFLOP of
+    weight products: 42 bytes of KV per MFLOP, the proportion of a 7B model
     with full multi-head attention (Llama-2-7B: 512 KiB per token for 13
-    GFLOP), five times that of grouped-query 8B models.
+    GFLOP, 40 B/MFLOP), four times that of grouped-query 8B models
+    (Llama-3-8B: 128 KiB for 14 GFLOP, 9 B/MFLOP).
     """
 
     vocab: int = 32000

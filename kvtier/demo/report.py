@@ -206,8 +206,9 @@ def render(result: DemoResult) -> list[RenderableType]:
     ttft = Table(
         title="Time to first token, ms: kvtier against a full recompute of the same prompts",
         caption="kvtier: lookup + load + prefill of the rest; recompute: prefill of the whole "
-        "prompt, alone, after serving; both without queueing for the model. Nothing loaded: "
-        "the same work both ways, so its speed-up shows the noise of the measurement.",
+        "prompt, on the same model thread between the other requests; both without queueing "
+        "for the model. Nothing loaded: the same work both ways, so its speed-up shows the "
+        "noise of the measurement.",
     )
     for col in (
         "prefix mostly from",
@@ -276,9 +277,9 @@ def render(result: DemoResult) -> list[RenderableType]:
     queue = statistics.median(r.queue_s for r in records) if records else 0.0
     lines.append(
         Text(
-            f"wall time: serving {result.serve_s:.1f} s, recomputing for the check "
-            f"{result.verify_s:.1f} s; prefill {busy:.1f} s with kvtier against {recompute:.1f} s "
-            f"recomputed; waiting for the model (not in TTFT): median {_ms(queue)} ms"
+            f"wall time {result.wall_s:.1f} s, serving and recomputing for the check; "
+            f"prefill {busy:.1f} s with kvtier against {recompute:.1f} s recomputed; "
+            f"waiting for the model (not in TTFT): median {_ms(queue)} ms"
         )
     )
     for g in groups:

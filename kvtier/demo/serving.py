@@ -8,10 +8,12 @@ blocks. The CPU stands in for the GPU: the "device" KV tensors are CPU tensors.
 The CPU tier and the file tier (in a temporary directory) are sized from the
 workload so that its KV does not fit in them: hits come from both.
 
-Afterwards every prompt is computed again from scratch, alone, on a cache of
-its own: that is the ground truth each served request is compared with (the
-greedy tokens, and the first token's logits bit for bit), and the full
-recompute whose time to first token the report sets beside kvtier's.
+Once served, every prompt is computed again from scratch on a cache of its
+own, queued on the same model thread among the other requests, so that it runs
+under the same conditions: that is the ground truth each served request is
+compared with (the greedy tokens, and the first token's logits bit for bit),
+and the full recompute whose time to first token the report sets beside
+kvtier's.
 """
 
 from __future__ import annotations
@@ -180,10 +182,8 @@ class DemoResult:
     """One per request, in arrival order."""
     tiers: TierFigures
     """The engine's statistics at the end of serving."""
-    serve_s: float
-    """Wall time of the serving loop."""
-    verify_s: float
-    """Wall time of the recomputes."""
+    wall_s: float
+    """Wall time of serving and recomputing."""
 
     @property
     def mismatches(self) -> int:
@@ -326,7 +326,6 @@ async def run_demo(
     file_bytes = -(-2 * workload_blocks * (row_bytes + 4096) // 2**20) * 2**20
     worker = _ModelWorker()
     scratch = model.new_cache(request_blocks, settings.block_tokens)
-    served: list[_Served] = []
     try:
         # A server warms up before it takes requests: the first forward passes
         # of a process pay for allocations and kernel selection.
@@ -355,17 +354,14 @@ async def run_demo(
                 )
                 if opened is not None:
                     opened(sizes)
-                loop = _ServingLoop(settings, model, engine, kv, worker, device_blocks, progress)
-                served = await loop.serve(conversations, order)
+                loop = _ServingLoop(settings, model, engine, kv, scratch, worker, progress)
+                records = await loop.serve(conversations, order)
                 await engine.flush()
                 tiers = read_statistics(engine.statistics())
-            serve_s = time.perf_counter() - started
-        started = time.perf_counter()
-        records = await _verify(model, worker, served, scratch, settings, progress)
-        verify_s = time.perf_counter() - started
+            wall_s = time.perf_counter() - started
     finally:
         worker.close()
-    return DemoResult(settings, sizes, tuple(records), tiers, serve_s, verify_s)
+    return DemoResult(settings, sizes, tuple(records), tiers, wall_s)
 
 
 class _ServingLoop:
@@ -377,8 +373,8 @@ class _ServingLoop:
         model: DemoModel,
         engine: Engine,
         kv: list[torch.Tensor],
+        scratch: list[torch.Tensor],
         worker: _ModelWorker,
-        device_blocks: int,
         progress: Progress | None,
     ) -> None:
         self._settings = settings
@@ -386,16 +382,19 @@ class _ServingLoop:
         self._engine = engine
         self._kv = kv
         self._worker = worker
-        self._device = _DeviceBlocks(device_blocks)
+        self._scratch = scratch
+        self._device = _DeviceBlocks(kv[0].shape[1])
         self._progress = progress
         self._corrupt = settings.corrupt_one_block
-        self._served: list[_Served] = []
+        self._served = 0
+        self._checked: list[RequestRecord] = []
         self._total = 0
 
     async def serve(
         self, conversations: Sequence[Conversation], order: list[tuple[int, int]]
-    ) -> list[_Served]:
-        """Serve ``order``; a conversation's turn waits for its previous answer."""
+    ) -> list[RequestRecord]:
+        """Serve ``order`` and check each request; a conversation's turn waits for
+        its previous answer."""
         self._total = len(order)
         answers: list[list[list[int]]] = [[] for _ in conversations]
         answered = [asyncio.Event() for _ in order]
@@ -410,12 +409,13 @@ class _ServingLoop:
                 done = await self._request(index, conv, turn, prompt)
             answers[conv].append(list(done.record.tokens))
             answered[index].set()
+            await self._check(done)
 
         # Requests arrive in order; each starts as soon as a slot is free.
         async with asyncio.TaskGroup() as tg:
             for i, (conv, turn) in enumerate(order):
                 tg.create_task(one(i, conv, turn))
-        return sorted(self._served, key=lambda s: s.record.index)
+        return sorted(self._checked, key=lambda r: r.index)
 
     async def _request(self, index: int, conv: int, turn: int, prompt: list[int]) -> _Served:
         engine, bpc = self._engine, self._settings.blocks_per_chunk
@@ -463,36 +463,30 @@ class _ServingLoop:
             prefill_s=gen.prefill_s,
             tokens=tuple(gen.tokens),
         )
-        done = _Served(record, prompt, gen.first_logits)
-        self._served.append(done)
+        self._served += 1
         if self._progress is not None:
-            self._progress("served", record, len(self._served), self._total)
-        return done
+            self._progress("served", record, self._served, self._total)
+        return _Served(record, prompt, gen.first_logits)
 
-
-async def _verify(
-    model: DemoModel,
-    worker: _ModelWorker,
-    served: list[_Served],
-    cache: list[torch.Tensor],
-    settings: DemoSettings,
-    progress: Progress | None,
-) -> list[RequestRecord]:
-    """Recompute every prompt from scratch, alone, on ``cache``, and compare."""
-    table = list(range(cache[0].shape[1]))
-    answer_tokens = settings.workload.answer_tokens
-    out = []
-    for i, s in enumerate(served):
-        ref, _ = await worker.run(
-            functools.partial(model.generate, cache, table, s.prompt, 0, answer_tokens)
+    async def _check(self, served: _Served) -> None:
+        """Recompute ``served``'s prompt from scratch on the scratch cache, and compare."""
+        table = range(self._scratch[0].shape[1])
+        ref, _ = await self._worker.run(
+            functools.partial(
+                self._model.generate,
+                self._scratch,
+                table,
+                served.prompt,
+                0,
+                self._settings.workload.answer_tokens,
+            )
         )
         record = replace(
-            s.record,
+            served.record,
             recompute_s=ref.prefill_s,
-            tokens_identical=tuple(ref.tokens) == s.record.tokens,
-            logits_identical=torch.equal(ref.first_logits, s.first_logits),
+            tokens_identical=tuple(ref.tokens) == served.record.tokens,
+            logits_identical=torch.equal(ref.first_logits, served.first_logits),
         )
-        out.append(record)
-        if progress is not None:
-            progress("verified", record, i + 1, len(served))
-    return out
+        self._checked.append(record)
+        if self._progress is not None:
+            self._progress("verified", record, len(self._checked), self._total)
