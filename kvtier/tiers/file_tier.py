@@ -28,59 +28,51 @@ Residency and the byte budget belong to a
 the file's slots: the manager decides, this module only moves bytes. See
 ``docs/file-tier.md`` for the durability rules and why slots replaced one file
 per block.
+
+The tier is this facade over parts, each a module with one job, owned by
+:class:`FileTier` and wired at :meth:`FileTier.open`:
+
+* :mod:`kvtier.tiers._slots`: the slot file (descriptors, geometry, the
+  manager-to-file slot mapping, zeroing slots);
+* :mod:`kvtier.tiers._recovery`: the scan of the slot headers at open;
+* :mod:`kvtier.tiers._pipeline`: stores and loads of blocks through the I/O
+  engine (header pages, verification, fsync batching, counters);
+* :mod:`kvtier.tiers._quarantine`: bounded copies of blocks that failed;
+* :mod:`kvtier.tiers._worker`: the tier's one thread (checksums, copies);
+* :mod:`kvtier.tiers._root`, :mod:`kvtier.tiers._namespace`,
+  :mod:`kvtier.tiers._description`, :mod:`kvtier.tiers._format`: the root's
+  budget, the disk steps of an open, ``namespace.json``, the block header.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
-import errno as _errno
-import logging
-import mmap
 import os
-import queue
-import threading
-import time
-from array import array
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from kvtier.config import FileTierConfig
 from kvtier.errors import (
-    BlockNotFoundError,
     BusyError,
     CapacityError,
     ClosedError,
-    IntegrityError,
     InvalidArgumentError,
-    KVTierError,
-    NamespaceMismatchError,
     TierIOError,
 )
 from kvtier.keys import check_keys
 from kvtier.layout import KVLayout
 from kvtier.manager import ManagerEvent, ResidencyManager
 from kvtier.tiers._description import LAYOUT_KIND, TIER_FORMAT_VERSION
-from kvtier.tiers._format import (
-    HEADER_BYTES,
-    HeaderError,
-    checksum,
-    decode_header_fields,
-    encode_header_fields,
-    scan_header,
-)
-from kvtier.tiers._namespace import Prepared, prepare, undo_under_root_lock, write_file
-from kvtier.tiers._root import (
-    DATA_FILE,
-    data_cost,
-    lock_root,
-    metadata_estimate,
-    quarantine_keep,
-    trim_quarantine,
-)
+from kvtier.tiers._format import HEADER_BYTES
+from kvtier.tiers._namespace import Prepared, prepare, undo_under_root_lock
+from kvtier.tiers._pipeline import LoadResult, Pipeline, StoreResult
+from kvtier.tiers._quarantine import Quarantine
+from kvtier.tiers._recovery import Recovery
+from kvtier.tiers._root import data_cost, lock_root, metadata_estimate
+from kvtier.tiers._slots import SlotFile
+from kvtier.tiers._worker import Worker
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine, open_io_engine
 
@@ -93,48 +85,7 @@ __all__ = [
     "StoreResult",
 ]
 
-log = logging.getLogger("kvtier.file_tier")
-
 _T = TypeVar("_T")
-_RECOVERY_BATCH = 1024
-_SCAN_BUFFER = 8 << 20
-"""Bytes of slot headers read per batch at open (two batches in flight)."""
-_SCAN_READS = 256
-"""Reads per batch at open."""
-_SCAN_WHOLE_SLOTS = 64 << 10
-"""Slots up to this size are scanned by reading runs of whole slots (one
-request per run); larger ones by one 4 KiB read per header. Measured here, a
-4 KiB read costs about as much as 30-45 KiB of sequential reading."""
-_WORKER_BATCH = 256
-
-
-@dataclass(frozen=True, slots=True)
-class StoreResult:
-    """Outcome of one :meth:`FileTier.store`, per key."""
-
-    stored: tuple[bytes, ...]
-    """Keys written and now ready."""
-    skipped: tuple[bytes, ...]
-    """Keys already present (ready or being written): nothing was written."""
-    failed: Mapping[bytes, KVTierError]
-    """Keys not stored, with why (:class:`~kvtier.errors.TierIOError` with errno and
-    path, or :class:`~kvtier.errors.CapacityError`); their slots were freed."""
-    evicted: tuple[bytes, ...] = ()
-    """Keys evicted to make room (their slots now hold the new blocks)."""
-
-
-@dataclass(frozen=True, slots=True)
-class LoadResult:
-    """Outcome of one :meth:`FileTier.load`, per key."""
-
-    loaded: tuple[bytes, ...]
-    """Keys whose bytes are now in their buffers, verified."""
-    missing: Mapping[bytes, KVTierError]
-    """Keys whose buffers hold no valid data, with why:
-    :class:`~kvtier.errors.BlockNotFoundError` (not resident),
-    :class:`~kvtier.errors.IntegrityError` or
-    :class:`~kvtier.errors.NamespaceMismatchError` (block quarantined), or
-    :class:`~kvtier.errors.TierIOError` (errno and path)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,129 +147,6 @@ class FileTierStatistics:
     """Slots found at open with an invalid header (an interrupted write), zeroed."""
 
 
-@dataclass(slots=True)
-class _Job:
-    """One store or load call: the blocks still running and what they gave."""
-
-    done: Completion[Any]
-    store: bool
-    remaining: int
-    ok: list[bytes] = field(default_factory=list)
-    failed: dict[bytes, KVTierError] = field(default_factory=dict)
-    skipped: tuple[bytes, ...] = ()
-    evicted: tuple[bytes, ...] = ()
-    order: tuple[bytes, ...] = ()
-
-
-@dataclass(slots=True)
-class _BlockOp:
-    store: bool
-    key: bytes
-    view: memoryview
-    job: _Job
-    slot: int
-    """Slot of the file (not the manager's slot number)."""
-    page: int = -1
-    checksum: int = 0
-    """XXH3 of the payload (stores), computed off the loop before the write."""
-    syncing: bool = False
-    """Written, waiting for an fsync: it holds no I/O slot."""
-
-
-class _HeaderPages:
-    """Page-aligned header buffers, one per block in flight (O_DIRECT needs aligned memory)."""
-
-    def __init__(self, count: int) -> None:
-        self._map = mmap.mmap(-1, count * HEADER_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self._view = memoryview(self._map)
-        self._free = list(range(count))
-
-    def take(self) -> int:
-        return self._free.pop()
-
-    def give(self, index: int) -> None:
-        self._free.append(index)
-
-    def view(self, index: int) -> memoryview:
-        return self._view[index * HEADER_BYTES : (index + 1) * HEADER_BYTES]
-
-    def close(self) -> None:
-        self._view.release()
-        # A finished request's view may still be alive (a completion's closure):
-        # the mapping is then unmapped by the garbage collector once it goes.
-        with contextlib.suppress(BufferError):
-            self._map.close()
-
-
-_Then = Callable[[Any, Exception | None], None]
-"""Called on the loop with a worker call's return value, or None and its error."""
-
-
-class _Worker:
-    """One thread computing payload checksums off the event loop.
-
-    It also writes quarantine copies, one at a time.
-
-    XXH3 releases the GIL and reads the payload from memory at 7-13 GB/s
-    here: at 256 KiB a block it was a third of the loop's work per store.
-    One busy thread takes its queue in batches and hands results back with one
-    ``call_soon_threadsafe`` per batch; several threads cost more CPU per GB
-    (each wakes up for every call) for no more throughput (measured on the
-    former metadata threads, docs/file-tier.md).
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], _Then] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="kvtier-file-tier", daemon=True)
-        self._thread.start()
-
-    def submit(self, call: Callable[[], Any], then: _Then) -> None:
-        """Run ``call`` on the thread; ``then`` gets its outcome on the loop."""
-        self._jobs.put((call, then))
-
-    def close(self) -> None:
-        self._jobs.put(None)
-
-    def _run(self) -> None:
-        jobs = self._jobs
-        while True:
-            batch = [jobs.get()]
-            with contextlib.suppress(queue.Empty):
-                while len(batch) < _WORKER_BATCH:
-                    batch.append(jobs.get_nowait())
-            done: list[tuple[_Then, Any, Exception | None]] = []
-            stop = False
-            for job in batch:
-                if job is None:
-                    stop = True
-                    continue
-                call, then = job
-                try:
-                    result = call()
-                except Exception as exc:
-                    # An error must fail its block, not kill the thread (every later
-                    # call would wait for ever, and aclose with them).
-                    done.append((then, None, exc))
-                else:
-                    done.append((then, result, None))
-            if done:
-                with contextlib.suppress(RuntimeError):  # the loop is closed
-                    self._loop.call_soon_threadsafe(_deliver, done)
-            if stop:
-                return
-
-
-def _deliver(done: list[tuple[_Then, Any, Exception | None]]) -> None:
-    for then, result, exc in done:
-        try:
-            then(result, exc)
-        except Exception:
-            # One failing callback must not strand the rest of the batch (their
-            # blocks would stay in flight and aclose would wait forever).
-            log.exception("file tier: a worker completion failed")
-
-
 class FileTier:
     """Blocks in slots of one preallocated file under a root directory.
 
@@ -364,63 +192,46 @@ class FileTier:
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self._config = config
-        self._namespace = layout.namespace
-        self._block_bytes = block_bytes
-        self._file_bytes = HEADER_BYTES + block_bytes
-        self._alignment = alignment
         self._engine = engine
         self._owns_engine = owns_engine
         self._manager = manager
-        self._slots = manager.capacity
-        self._file_slot = array("q", range(self._slots))
-        """The file slot of each manager slot: a fixed bijection, set when the
-        blocks found at open are handed to the manager (which picks its own
-        slot numbers). An array: 8 bytes a slot, where a list of ints costs
-        about 36."""
-        self._dir = ns_dir
-        self._data_path = str(ns_dir / DATA_FILE)
-        self._ns_fd = ns_fd
-        self._fd = data_fd
-        self._lock_fd = lock_fd
-        self._direct = direct_fallback is None
-        self._direct_fallback = direct_fallback
-        self._io_alignment = alignment if self._direct else 1
-        self._fsync = config.durability == "fsync"
-        # Two blocks per engine slot keep the queue full while completions are
-        # handled, and bound the header pages.
-        self._max_active = 2 * engine.queue_depth
-        self._pages = _HeaderPages(self._max_active)
-        self._zero_page = mmap.mmap(-1, HEADER_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self._pending: collections.deque[_BlockOp] = collections.deque()
-        self._active = 0
-        self._zeroing: dict[int, list[_BlockOp]] = {}
-        """File slots whose header is being zeroed, with the stores waiting for it."""
-        self._zero_when_free: dict[bytes, int] = {}
-        """Forgotten blocks still read by a load: their slot is zeroed after the last."""
-        self._sync_waiting: list[_BlockOp] = []
-        self._sync_running: list[_BlockOp] | None = None
-        self._worker = _Worker(self._loop)
-        self._quarantining = 0
         self._closed = False
         self._idle: asyncio.Future[None] | None = None
-        self._quarantine_seq = 0
-        # counters
-        self._hits = 0
-        self._misses = 0
-        self._stores = 0
-        self._store_failures = 0
-        self._evictions = 0
-        self._bytes_read = 0
-        self._bytes_written = 0
-        self._busy = {True: 0, False: 0}  # blocks in flight, by "is a store"
-        self._busy_since = {True: 0.0, False: 0.0}
-        self._busy_seconds = {True: 0.0, False: 0.0}
-        self._quarantined = 0
-        self._recovered = 0
-        self._recovery_seconds = 0.0
-        self._torn = 0
-        self._recovery: Literal["running", "complete", "failed"] = "complete"
-        self._recovery_task: asyncio.Task[None] | None = None
+        # The parts, each one job (see the module docstring); they report on
+        # the loop when something of theirs ends, so that aclose knows when
+        # nothing is in flight.
+        self._worker = Worker(self._loop)
+        self._slots = SlotFile(
+            ns_dir=ns_dir,
+            ns_fd=ns_fd,
+            data_fd=data_fd,
+            lock_fd=lock_fd,
+            block_bytes=block_bytes,
+            alignment=alignment,
+            direct_fallback=direct_fallback,
+            engine=engine,
+            manager=manager,
+            on_settled=self._check_idle,
+        )
+        self._quarantine = Quarantine(ns_dir, manager.capacity, self._worker, self._check_idle)
+        self._pipeline = Pipeline(
+            loop=self._loop,
+            engine=engine,
+            slots=self._slots,
+            manager=manager,
+            namespace=layout.namespace,
+            worker=self._worker,
+            quarantine=self._quarantine,
+            fsync=config.durability == "fsync",
+            on_settled=self._check_idle,
+        )
+        self._recovery = Recovery(
+            slots=self._slots,
+            engine=engine,
+            manager=manager,
+            namespace=layout.namespace,
+            settle=self._settle,
+        )
 
     # -- opening ------------------------------------------------------------------------
 
@@ -565,10 +376,9 @@ class FileTier:
                 direct_fallback=prepared.fallback,
             )
             if config.recovery == "background":
-                tier._recovery = "running"
-                tier._recovery_task = tier._loop.create_task(tier._recover_in_background())
+                tier._recovery.start(tier._loop)
             else:
-                await tier._recover()
+                await tier._recovery.run()
         except BaseException:
             # Whatever failed (the engine, the recovery, a cancellation), the
             # disk goes back to what it was before this open.
@@ -622,12 +432,12 @@ class FileTier:
     @property
     def block_bytes(self) -> int:
         """Payload bytes of every block."""
-        return self._block_bytes
+        return self._slots.block_bytes
 
     @property
     def path(self) -> Path:
         """The namespace directory."""
-        return self._dir
+        return self._slots.dir
 
     @property
     def closed(self) -> bool:
@@ -637,7 +447,7 @@ class FileTier:
     @property
     def recovering(self) -> bool:
         """True while a background recovery runs (the tier knows no block yet)."""
-        return self._recovery == "running"
+        return self._recovery.state == "running"
 
     async def wait_recovered(self) -> None:
         """Wait until the blocks in the slot file are known (``recovery="background"``).
@@ -651,11 +461,7 @@ class FileTier:
             When the recovery failed (the tier then stays empty and refuses
             stores); the cause is chained and logged.
         """
-        task = self._recovery_task
-        if task is not None and not task.done():
-            await asyncio.shield(task)
-        if self._recovery == "failed":
-            raise TierIOError(_errno.EIO, "the file tier's recovery failed", self._dir)
+        await self._recovery.wait()
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Length of the longest prefix of ``keys`` that is ready here; no I/O."""
@@ -674,8 +480,7 @@ class FileTier:
         The block starts at byte ``slot * (4096 + block_bytes)``; meant for
         tools and tests that look at the file.
         """
-        mslot = self._manager.slot_of(key)
-        return None if mslot is None else self._file_slot[mslot]
+        return self._slots.slot_of(key)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark blocks used (as a hit would) without loading them; absent keys are ignored."""
@@ -687,37 +492,34 @@ class FileTier:
 
     def statistics(self) -> FileTierStatistics:
         """A snapshot of the tier's state and counters."""
-        now = time.perf_counter()
-        busy = {}
-        for kind in (True, False):
-            extra = now - self._busy_since[kind] if self._busy[kind] else 0.0
-            busy[kind] = self._busy_seconds[kind] + extra
+        pipeline, slots, recovery = self._pipeline, self._slots, self._recovery
+        read_busy, write_busy = pipeline.busy_seconds(False), pipeline.busy_seconds(True)
         blocks = self._manager.statistics().used
         return FileTierStatistics(
-            capacity_bytes=self._slots * self._file_bytes,
-            used_bytes=blocks * self._file_bytes,
+            capacity_bytes=slots.slots * slots.file_bytes,
+            used_bytes=blocks * slots.file_bytes,
             blocks=blocks,
-            block_bytes=self._block_bytes,
-            file_bytes=self._file_bytes,
-            hits=self._hits,
-            misses=self._misses,
-            stores=self._stores,
-            store_failures=self._store_failures,
-            evictions=self._evictions,
-            bytes_read=self._bytes_read,
-            bytes_written=self._bytes_written,
-            read_gbps=self._bytes_read / busy[False] / 1e9 if busy[False] else 0.0,
-            write_gbps=self._bytes_written / busy[True] / 1e9 if busy[True] else 0.0,
+            block_bytes=slots.block_bytes,
+            file_bytes=slots.file_bytes,
+            hits=pipeline.hits,
+            misses=pipeline.misses,
+            stores=pipeline.stores,
+            store_failures=pipeline.store_failures,
+            evictions=pipeline.evictions,
+            bytes_read=pipeline.bytes_read,
+            bytes_written=pipeline.bytes_written,
+            read_gbps=pipeline.bytes_read / read_busy / 1e9 if read_busy else 0.0,
+            write_gbps=pipeline.bytes_written / write_busy / 1e9 if write_busy else 0.0,
             io_engine=self._engine.name,
             queue_depth=self._engine.queue_depth,
-            direct_io=self._direct,
-            direct_io_fallback=self._direct_fallback,
+            direct_io=slots.direct,
+            direct_io_fallback=slots.direct_fallback,
             durability=self._config.durability,
-            quarantined=self._quarantined,
-            recovery=self._recovery,
-            recovered_blocks=self._recovered,
-            recovery_seconds=self._recovery_seconds,
-            torn_slots=self._torn,
+            quarantined=self._quarantine.count + recovery.foreign,
+            recovery=recovery.state,
+            recovered_blocks=recovery.recovered,
+            recovery_seconds=recovery.seconds,
+            torn_slots=recovery.torn,
         )
 
     # -- store --------------------------------------------------------------------------
@@ -761,44 +563,11 @@ class FileTier:
         cancellation).
         """
         views = self._check_call(keys, buffers)
-        done: Completion[StoreResult] = Completion(self._loop)
-        if self._recovery != "complete":
+        if self._recovery.state != "complete":
             # Which slots hold blocks is not known yet: any write could destroy one.
-            busy = BusyError(f"the file tier is {self._recovery_text()}: stores are refused")
-            self._store_failures += len(keys)
-            done.set_result(StoreResult(stored=(), skipped=(), failed=dict.fromkeys(keys, busy)))
-            return done
-        plan = self._manager.prepare_store(list(keys))
-        if plan is None:
-            present = tuple(k for k in keys if k in self._manager)
-            err = CapacityError(
-                f"no room for {len(keys) - len(present)} blocks in the file tier "
-                f"({self._slots} slots, pinned or in flight ones cannot be evicted)"
-            )
-            failed: dict[bytes, KVTierError] = {k: err for k in keys if k not in present}
-            self._store_failures += len(failed)
-            done.set_result(StoreResult(stored=(), skipped=present, failed=failed))
-            return done
-        file_slot = self._file_slot
-        to_write = {k: file_slot[s] for k, s in zip(plan.keys, plan.slots, strict=True)}
-        evicted = tuple(plan.evicted)
-        self._evictions += len(evicted)
-        job = _Job(
-            done,
-            store=True,
-            remaining=len(to_write),
-            skipped=tuple(k for k in keys if k not in to_write),
-            evicted=evicted,
-            order=tuple(keys),
-        )
-        for key, view in zip(keys, views, strict=True):
-            slot = to_write.get(key)
-            if slot is not None:
-                self._pending.append(_BlockOp(True, key, view, job, slot))
-        if not to_write:
-            self._finish_job(job)
-        self._pump()
-        return done
+            busy = BusyError(f"the file tier is {self._recovery.text()}: stores are refused")
+            return self._pipeline.refuse(keys, busy)
+        return self._pipeline.store(keys, views)
 
     # -- load ---------------------------------------------------------------------------
 
@@ -841,23 +610,8 @@ class FileTier:
         for v in views:
             if v.readonly:
                 raise InvalidArgumentError("load buffers must be writable")
-        done: Completion[LoadResult] = Completion(self._loop)
-        ready = [k for k in keys if self._manager.is_ready(k)]
-        job = _Job(done, store=False, remaining=len(ready), order=tuple(keys))
-        where = "file tier" if self._recovery == "complete" else self._recovery_text()
-        for k in keys:
-            if not self._manager.is_ready(k):
-                job.failed[k] = BlockNotFoundError(f"block {k.hex()} is not in the {where}")
-        if ready:
-            plan = self._manager.prepare_load(ready)
-            by_key = dict(zip(keys, views, strict=True))
-            file_slot = self._file_slot
-            for k, s in zip(plan.keys, plan.slots, strict=True):
-                self._pending.append(_BlockOp(False, k, by_key[k], job, file_slot[s]))
-        else:
-            self._finish_job(job)
-        self._pump()
-        return done
+        where = "file tier" if self._recovery.state == "complete" else self._recovery.text()
+        return self._pipeline.load(keys, views, where)
 
     # -- removal and closing ------------------------------------------------------------
 
@@ -876,7 +630,7 @@ class FileTier:
         check_keys(keys)
         ready = [k for k in keys if self._manager.is_ready(k)]
         if ready:
-            self._forget(ready)
+            self._slots.forget(ready)
 
     async def aclose(self) -> None:
         """Wait for every block in flight, then release the tier; idempotent.
@@ -891,11 +645,7 @@ class FileTier:
         """
         first = not self._closed
         self._closed = True
-        task = self._recovery_task
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(task)
+        await self._recovery.stop()
         if self._busy_now():
             if self._idle is None:
                 self._idle = self._loop.create_future()
@@ -905,16 +655,8 @@ class FileTier:
         self._worker.close()
         if self._owns_engine:
             await self._engine.aclose()
-        self._pages.close()
-        with contextlib.suppress(BufferError):
-            self._zero_page.close()
-        with contextlib.suppress(OSError):
-            # The lock file's mtime is the namespace's last use: the root's
-            # accounting reclaims the least recently used first.
-            os.utime(self._lock_fd)
-        for fd in (self._fd, self._ns_fd, self._lock_fd):
-            # Closing the lock descriptor releases the flock.
-            os.close(fd)
+        self._pipeline.close()
+        self._slots.close()
 
     async def __aenter__(self) -> FileTier:
         return self
@@ -922,7 +664,7 @@ class FileTier:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    # -- pipeline -----------------------------------------------------------------------
+    # -- checks and idleness ------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
@@ -933,572 +675,36 @@ class FileTier:
         check_keys(keys)
         if len(buffers) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(buffers)} buffers")
+        block_bytes = self._slots.block_bytes
         views = [b if isinstance(b, memoryview) else memoryview(b) for b in buffers]
         for i, v in enumerate(views):
-            if v.nbytes != self._block_bytes:
+            if v.nbytes != block_bytes:
                 raise InvalidArgumentError(
-                    f"buffer {i} has {v.nbytes} bytes, blocks have {self._block_bytes}"
+                    f"buffer {i} has {v.nbytes} bytes, blocks have {block_bytes}"
                 )
             if not v.c_contiguous:
                 raise InvalidArgumentError(f"buffer {i} is not contiguous")
         views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
-        IOEngine.check_aligned(views, 0, self._io_alignment)
+        IOEngine.check_aligned(views, 0, self._slots.io_alignment)
         return views
 
-    def _pump(self) -> None:
-        while self._pending and self._active < self._max_active:
-            op = self._pending.popleft()
-            self._active += 1
-            self._busy_start(op.store)
-            self._start(op)
-
-    def _start(self, op: _BlockOp) -> None:
-        try:
-            if not op.store:
-                self._start_load(op)
-            elif op.slot in self._zeroing:
-                # The slot's previous block is being cleared; writing now could
-                # land before the zeros and the zeros would erase this block.
-                self._zeroing[op.slot].append(op)
-            else:
-                view = op.view
-                self._worker.submit(lambda: checksum(view), lambda s, e: self._summed(op, s, e))
-        except KVTierError as exc:
-            self._block_done(op, exc)
-        except Exception as exc:
-            # A bug must not leave the block pinned or the tier waiting forever.
-            log.exception("file tier: block %s failed to start", op.key.hex())
-            self._block_done(op, TierIOError(_errno.EIO, f"internal error: {exc!r}"))
-
-    def _busy_start(self, store: bool) -> None:
-        if not self._busy[store]:
-            self._busy_since[store] = time.perf_counter()
-        self._busy[store] += 1
-
-    def _busy_end(self, store: bool) -> None:
-        self._busy[store] -= 1
-        if not self._busy[store]:
-            self._busy_seconds[store] += time.perf_counter() - self._busy_since[store]
-
-    def _summed(self, op: _BlockOp, summed: int | None, exc: Exception | None) -> None:
-        if summed is None:
-            # The rows were validated, so a failed checksum is a bug: fail the block.
-            self._block_done(op, TierIOError(_errno.EIO, f"internal error: checksum {exc!r}"))
-            return
-        op.checksum = summed
-        try:
-            op.page = self._pages.take()
-            page = self._pages.view(op.page)
-            encode_header_fields(
-                page, op.key, self._namespace, self._block_bytes, summed, int(time.time())
-            )
-            done = self._engine.writev(
-                self._fd, [page, op.view], op.slot * self._file_bytes, alignment=self._io_alignment
-            )
-        except KVTierError as exc:
-            self._block_done(op, exc)
-            return
-        except Exception as exc:
-            # Reached from a worker callback, outside _pump's guard: a bug must
-            # not leave the block in flight and aclose waiting forever.
-            log.exception("file tier: block %s failed to start", op.key.hex())
-            self._block_done(op, TierIOError(_errno.EIO, f"internal error: {exc!r}"))
-            return
-        done.add_done_callback(lambda c: self._written(op, c))
-
-    def _written(self, op: _BlockOp, done: Completion[int]) -> None:
-        self._release_page(op)
-        err: KVTierError | None = None
-        exc = done.exception()
-        if exc is not None:
-            err = self._io_error(exc, f"writing slot {op.slot}")
-        elif done.result() != self._file_bytes:
-            err = TierIOError(
-                0,
-                f"short write of slot {op.slot}: {done.result()} of {self._file_bytes} bytes",
-                self._data_path,
-            )
-        if err is not None or not self._fsync:
-            self._block_done(op, err)
-            return
-        # The I/O slot is free once the data is written: a flush shared by
-        # the blocks written meanwhile must not hold back the next writes.
-        op.syncing = True
-        self._active -= 1
-        self._sync_waiting.append(op)
-        self._start_sync()
-        self._pump()
-
-    def _io_error(self, exc: BaseException, what: str) -> TierIOError:
-        """A failed request's error as this tier's: its errno (EIO when it has
-        none), what the tier was doing, and the slot file's path."""
-        code = exc.errno if isinstance(exc, OSError) and exc.errno is not None else _errno.EIO
-        text = getattr(exc, "strerror", None) or exc
-        return TierIOError(code, f"{what}: {text}", self._data_path)
-
-    def _start_sync(self) -> None:
-        """Flush the slot file for every block written so far (one fsync for many)."""
-        if self._sync_running is not None or not self._sync_waiting:
-            return
-        ops, self._sync_waiting = self._sync_waiting, []
-        self._sync_running = ops
-        try:
-            done = self._engine.fsync(self._fd)
-        except Exception as exc:
-            self._synced(ops, exc)
-            return
-        done.add_done_callback(lambda c: self._synced(ops, c.exception()))
-
-    def _synced(self, ops: list[_BlockOp], exc: BaseException | None) -> None:
-        self._sync_running = None
-        err: KVTierError | None = None
-        if exc is not None:
-            err = self._io_error(exc, "fsync")
-        for op in ops:
-            self._block_done(op, err)
-        self._start_sync()
-
-    def _start_load(self, op: _BlockOp) -> None:
-        op.page = self._pages.take()
-        done = self._engine.readv(
-            self._fd,
-            [self._pages.view(op.page), op.view],
-            op.slot * self._file_bytes,
-            alignment=self._io_alignment,
-        )
-        done.add_done_callback(lambda c: self._read(op, c))
-
-    def _read(self, op: _BlockOp, done: Completion[int]) -> None:
-        err: KVTierError | None = None
-        exc = done.exception()
-        if exc is not None:
-            err = self._io_error(exc, f"reading slot {op.slot}")
-        elif done.result() != self._file_bytes:
-            err = IntegrityError(
-                f"short read of slot {op.slot}: {done.result()} of {self._file_bytes} bytes",
-                self._data_path,
-            )
-        else:
-            err = self._verify(op)
-        if isinstance(err, IntegrityError | NamespaceMismatchError) and op.page >= 0:
-            self._quarantine(op, type(err).__name__)
-        self._block_done(op, err)
-
-    def _verify(self, op: _BlockOp) -> KVTierError | None:
-        where = f"{self._data_path} slot {op.slot}"
-        try:
-            key, namespace, payload_bytes, _, payload_checksum = decode_header_fields(
-                self._pages.view(op.page)
-            )
-        except HeaderError as exc:
-            return IntegrityError(f"bad block header ({exc})", where)
-        if namespace != self._namespace:
-            return NamespaceMismatchError(
-                f"{where} holds a block of namespace {namespace.hex()}, not {self._namespace.hex()}"
-            )
-        if key != op.key:
-            return IntegrityError(f"slot holds block {key.hex()}, not {op.key.hex()}", where)
-        if payload_bytes != self._block_bytes:
-            return IntegrityError(
-                f"payload of {payload_bytes} bytes, expected {self._block_bytes}", where
-            )
-        if checksum(op.view) != payload_checksum:
-            return IntegrityError("payload checksum mismatch", where)
-        return None
-
-    def _release_page(self, op: _BlockOp) -> None:
-        if op.page >= 0:
-            self._pages.give(op.page)
-            op.page = -1
-
-    def _block_done(self, op: _BlockOp, err: KVTierError | None) -> None:
-        self._release_page(op)
-        job = op.job
-        key = op.key
-        if op.store:
-            self._manager.complete_store([key], success=err is None)
-            if err is None:
-                self._stores += 1
-                self._bytes_written += self._block_bytes
-            else:
-                self._store_failures += 1
-                # What the failed write left in the slot is unknown: clear it so
-                # that a restart cannot find a block nobody stored.
-                self._zero_slot(op.slot)
-        else:
-            self._manager.complete_load([key])
-            if err is None:
-                self._hits += 1
-                self._bytes_read += self._block_bytes
-            elif key in self._manager and self._manager.is_ready(key):
-                self._forget([key])
-        if self._zero_when_free and key not in self._manager:
-            slot = self._zero_when_free.pop(key, None)
-            if slot is not None:
-                self._zero_slot(slot)
-        if err is None:
-            job.ok.append(key)
-        else:
-            job.failed[key] = err
-            log.warning("file tier: block %s: %s", key.hex(), err)
-        self._busy_end(op.store)
-        if op.syncing:
-            op.syncing = False
-        else:
-            self._active -= 1
-        job.remaining -= 1
-        if job.remaining == 0:
-            self._finish_job(job)
-        self._pump()
-        self._check_idle()
-
     def _busy_now(self) -> bool:
-        return bool(
-            self._active
-            or self._pending
-            or self._zeroing
-            or self._sync_waiting
-            or self._sync_running is not None
-            or self._quarantining
-        )
+        return self._pipeline.busy or self._slots.clearing or self._quarantine.busy
 
     def _check_idle(self) -> None:
         idle = self._idle
         if idle is not None and not idle.done() and not self._busy_now():
             idle.set_result(None)
 
-    def _finish_job(self, job: _Job) -> None:
-        ok = set(job.ok)
-        ordered = tuple(k for k in job.order if k in ok)
-        if job.store:
-            job.done.set_result(
-                StoreResult(
-                    stored=ordered, skipped=job.skipped, failed=job.failed, evicted=job.evicted
-                )
-            )
-        else:
-            self._misses += len(job.failed)
-            if ordered:
-                # A load is a use: the blocks a request hit move up the policy's order.
-                self._manager.touch(list(ordered))
-            job.done.set_result(LoadResult(loaded=ordered, missing=job.failed))
-
-    # -- slots --------------------------------------------------------------------------
-
-    def _forget(self, keys: list[bytes]) -> None:
-        """Drop ready blocks (bad or unwanted) and zero their slots once no load reads them."""
-        slots = {k: self.slot_of(k) for k in keys}
-        self._manager.remove(keys)
-        for key, slot in slots.items():
-            if slot is None:
-                continue  # not resident: nothing on disk is ours to clear
-            if key in self._manager:
-                self._zero_when_free[key] = slot  # a load still reads it
-            else:
-                self._zero_slot(slot)
-
-    def _zero_slot(self, slot: int) -> None:
-        """Overwrite a slot's header with zeros (a free slot), ordered before its next write."""
-        if slot in self._zeroing:
-            return
-        self._zeroing[slot] = []
-        try:
-            done = self._engine.writev(
-                self._fd,
-                [memoryview(self._zero_page)],
-                slot * self._file_bytes,
-                alignment=self._io_alignment,
-            )
-        except Exception as exc:
-            self._zeroed(slot, exc)
-            return
-        done.add_done_callback(lambda c: self._zeroed(slot, _short_or_error(c, HEADER_BYTES)))
-
-    def _zeroed(self, slot: int, exc: BaseException | None) -> None:
-        if exc is not None:
-            # The block stays forgotten; if it comes back after a restart, its
-            # checksum still decides whether it is served.
-            log.error("file tier: cannot clear slot %d of %s: %s", slot, self._data_path, exc)
-        for op in self._zeroing.pop(slot, []):
-            self._start(op)
+    async def _settle(self) -> None:
+        """Wait until nothing is in flight (the recovery's slot zeroing, at open)."""
+        self._idle = self._loop.create_future()
         self._check_idle()
-
-    def _quarantine(self, op: _BlockOp, reason: str) -> None:
-        """Keep a copy of a block that failed verification, for inspection (bounded)."""
-        self._quarantine_seq += 1
-        self._quarantined += 1
-        keep = quarantine_keep(self._slots)
-        if not keep:
-            # Copies count in the root's budget: a tier this small keeps none.
-            log.warning(
-                "file tier: slot %d (block %s) failed verification (%s); no copy kept "
-                "(a tier of %d slots keeps none)",
-                op.slot,
-                op.key.hex(),
-                reason,
-                self._slots,
-            )
-            return
-        data = bytes(self._pages.view(op.page)) + bytes(op.view)
-        name = f"{op.key.hex()}.{time.time_ns()}.{self._quarantine_seq}.{reason}"
-        log.warning("file tier: slot %d (block %s) quarantined as %s", op.slot, op.key.hex(), name)
-        qdir = self._dir / "quarantine"
-        self._quarantining += 1
-        # On the tier's one thread: copies are written and trimmed one at a time.
-        self._worker.submit(
-            lambda: _write_quarantine(qdir, name, data, keep), self._quarantine_done
-        )
-
-    def _quarantine_done(self, _result: object, exc: Exception | None) -> None:
-        self._quarantining -= 1
-        if exc is not None:
-            log.error("file tier: quarantine copy failed: %s", exc)
-        self._check_idle()
-
-    # -- recovery -----------------------------------------------------------------------
-
-    def _recovery_text(self) -> str:
-        return (
-            "file tier, still recovering"
-            if self._recovery == "running"
-            else ("file tier, whose recovery failed")
-        )
-
-    async def _recover_in_background(self) -> None:
-        try:
-            await self._recover()
-        except asyncio.CancelledError:
-            self._recovery = "failed"  # stopped by aclose
-            raise
-        except Exception:
-            log.exception("file tier %s: recovery failed; the tier stays empty", self._dir)
-            self._recovery = "failed"
-        else:
-            self._recovery = "complete"
-
-    async def _recover(self) -> None:
-        started = time.perf_counter()
-        candidates = await asyncio.to_thread(
-            _slots_with_data, self._fd, self._slots, self._file_bytes
-        )
-        found: dict[bytes, tuple[int, int]] = {}  # key -> (stored_at, file slot)
-        bad: list[int] = []
-        stale: list[int] = []
-        span = self._file_bytes
-        batches = _scan_batches(candidates, span)
-        buffer = mmap.mmap(-1, 2 * _SCAN_BUFFER)
-        view = memoryview(buffer)
-        try:
-
-            def submit(half: int, batch: list[tuple[int, int]]) -> list[Completion[int]]:
-                out, at = [], half * _SCAN_BUFFER
-                for first, count in batch:
-                    size = (count - 1) * span + HEADER_BYTES
-                    out.append(
-                        self._engine.readv(
-                            self._fd,
-                            [view[at : at + size]],
-                            first * span,
-                            alignment=self._io_alignment,
-                        )
-                    )
-                    at += size
-                return out
-
-            inflight = submit(0, batches[0]) if batches else []
-            for n, batch in enumerate(batches):
-                current = inflight
-                # The next batch's reads run while this one is decoded.
-                inflight = submit((n + 1) % 2, batches[n + 1]) if n + 1 < len(batches) else []
-                at = (n % 2) * _SCAN_BUFFER
-                for (first, count), done in zip(batch, current, strict=True):
-                    size = (count - 1) * span + HEADER_BYTES
-                    try:
-                        got = await done
-                    except Exception as exc:
-                        log.error("file tier: cannot read slots from %d at open: %s", first, exc)
-                        at += size
-                        continue
-                    for i in range(count):
-                        offset = i * span
-                        header = view[at + offset : at + offset + HEADER_BYTES]
-                        valid = HEADER_BYTES if got >= offset + HEADER_BYTES else 0
-                        self._classify(first + i, header, valid, found, bad, stale)
-                    at += size
-        finally:
-            # Slices of the buffer may still be referenced by finished
-            # requests; the mapping then goes with them.
-            with contextlib.suppress(BufferError):
-                view.release()
-                buffer.close()
-        for slot in bad + stale:
-            self._zero_slot(slot)
-        self._restore(found)
-        if self._zeroing:
-            # Torn headers are cleared before the tier takes writes.
-            self._idle = self._loop.create_future()
-            self._check_idle()
-            await self._idle
-            self._idle = None
-        self._recovery_seconds = time.perf_counter() - started
-        if found or bad:
-            log.info(
-                "file tier %s: recovered %d blocks in %.3f s (%d slots read, %d torn, "
-                "%d of another namespace)",
-                self._dir,
-                self._recovered,
-                self._recovery_seconds,
-                len(candidates),
-                self._torn,
-                len(bad) - self._torn,
-            )
-
-    def _classify(
-        self,
-        slot: int,
-        page: memoryview,
-        got: int,
-        found: dict[bytes, tuple[int, int]],
-        bad: list[int],
-        stale: list[int],
-    ) -> None:
-        if got == HEADER_BYTES and page[:8] != _ZERO_PAGE[:8]:
-            try:
-                key, namespace, payload, stored_at = scan_header(page)
-            except HeaderError:
-                payload = -1
-            if payload != self._block_bytes:
-                self._torn += 1
-                bad.append(slot)
-            elif namespace != self._namespace:
-                self._quarantined += 1
-                bad.append(slot)
-            else:
-                prev = found.get(key)
-                # Two slots may hold one key (evicted, stored again, then a
-                # crash): both are valid; keep the newer and clear the other,
-                # or it would come back once the newer is removed.
-                if prev is None:
-                    found[key] = (stored_at, slot)
-                elif prev[0] < stored_at:
-                    found[key] = (stored_at, slot)
-                    stale.append(prev[1])
-                else:
-                    stale.append(slot)
-        elif got == HEADER_BYTES and page != _ZERO_PAGE:
-            self._torn += 1  # a header without its magic: a write cut short
-            bad.append(slot)
-
-    def _restore(self, found: dict[bytes, tuple[int, int]]) -> None:
-        """Hand the blocks found to the manager, oldest first, and fix the slot mapping."""
-        order = sorted(found, key=lambda k: found[k])
-        mapping = array("q", [-1]) * self._slots
-        taken: set[int] = set()
-        for i in range(0, len(order), _RECOVERY_BATCH):
-            # The manager takes the first key of a call as the most recent:
-            # each batch goes newest first, the batches oldest first.
-            batch = order[i : i + _RECOVERY_BATCH][::-1]
-            plan = self._manager.prepare_store(batch)
-            if plan is None or plan.evicted:
-                # Cannot happen: at most one block per file slot was found.
-                raise TierIOError(_errno.EIO, "internal error: recovery overflowed the manager")
-            for key, mslot in zip(plan.keys, plan.slots, strict=True):
-                mapping[mslot] = found[key][1]
-                taken.add(found[key][1])
-            self._manager.complete_store(list(plan.keys), success=True)
-        free = (s for s in range(self._slots) if s not in taken)
-        for mslot, slot in enumerate(mapping):
-            if slot < 0:
-                mapping[mslot] = next(free)
-        self._file_slot = mapping
-        self._recovered = len(order)
+        await self._idle
+        self._idle = None
 
 
-_ZERO_PAGE = bytes(HEADER_BYTES)
-
-
-def _short_or_error(done: Completion[int], want: int) -> BaseException | None:
-    """The request's error, an error for a short transfer, or None."""
-    exc = done.exception()
-    if exc is None and done.result() != want:
-        exc = OSError(_errno.EIO, f"short write: {done.result()} of {want} bytes")
-    return exc
-
-
-# -- helpers (run in worker threads where they touch the disk) -------------------------
-
-
-def _scan_batches(slots: list[int], span: int) -> list[list[tuple[int, int]]]:
-    """Group the slots to scan into reads ``(first slot, count)``, and reads into batches.
-
-    A read covers ``(count - 1) * span + 4096`` bytes: from the first header to
-    the end of the last one; a batch fits in :data:`_SCAN_BUFFER`.
-    """
-    per_read = max(1, (_SCAN_BUFFER // 4) // span) if span <= _SCAN_WHOLE_SLOTS else 1
-    reads: list[tuple[int, int]] = []
-    for slot in slots:
-        if reads and reads[-1][0] + reads[-1][1] == slot and reads[-1][1] < per_read:
-            reads[-1] = (reads[-1][0], reads[-1][1] + 1)
-        else:
-            reads.append((slot, 1))
-    batches: list[list[tuple[int, int]]] = []
-    used = _SCAN_BUFFER
-    for first, count in reads:
-        size = (count - 1) * span + HEADER_BYTES
-        if used + size > _SCAN_BUFFER or len(batches[-1]) >= _SCAN_READS:
-            batches.append([])
-            used = 0
-        batches[-1].append((first, count))
-        used += size
-    return batches
-
-
-def _slots_with_data(fd: int, slots: int, slot_bytes: int) -> list[int]:
-    """Slots whose header lies in a range ``SEEK_DATA`` reports (all where unsupported).
-
-    Ranges never written since the file was reserved read back as zeros, so a
-    tier opened half full reads only the headers of the slots it used.
-    """
-    out: list[int] = []
-    end = slots * slot_bytes
-    offset = 0
-    try:
-        while offset < end:
-            try:
-                start = os.lseek(fd, offset, os.SEEK_DATA)
-            except OSError as exc:
-                if exc.errno == _errno.ENXIO:
-                    break  # no data past offset
-                raise
-            stop = min(os.lseek(fd, start, os.SEEK_HOLE), end)
-            # Slots whose header [s*slot_bytes, s*slot_bytes + 4096) meets [start, stop).
-            first = max(0, (start - HEADER_BYTES) // slot_bytes + 1) if start >= HEADER_BYTES else 0
-            last = min(slots, -(-stop // slot_bytes))
-            if out and first <= out[-1]:
-                first = out[-1] + 1
-            out.extend(range(first, last))
-            offset = max(stop, offset + 1)
-    except OSError as exc:
-        if exc.errno not in (_errno.EINVAL, _errno.EOPNOTSUPP):
-            raise TierIOError(exc.errno or 0, f"cannot scan the slot file: {exc.strerror}") from exc
-        return list(range(slots))
-    return out
-
-
-def _write_quarantine(qdir: Path, name: str, data: bytes, keep: int) -> None:
-    """Write a quarantine copy, first deleting the oldest so that at most ``keep`` exist.
-
-    Trimming before writing, not after, keeps the quarantine within the
-    bytes the root's accounting gave it at every instant.
-    """
-    trim_quarantine(qdir, keep - 1)
-    path = qdir / name
-    try:
-        write_file(path, data, os.O_EXCL)
-    except OSError as exc:
-        log.error("file tier: cannot write the quarantine copy %s: %s", name, exc)
-        with contextlib.suppress(OSError):
-            os.unlink(path)  # a partial copy is no use, and takes disk
+# -- opening helpers (run in worker threads where they touch the disk) ------------------
 
 
 def _make_root(root: Path) -> None:

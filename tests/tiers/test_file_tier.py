@@ -520,7 +520,7 @@ async def test_a_bug_in_a_worker_call_fails_its_block_and_the_tier_goes_on(
     open_tier: OpenTier, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A non-OSError on the checksum thread must not kill it (later calls would hang)."""
-    import kvtier.tiers.file_tier as ft
+    import kvtier.tiers._pipeline as ft
 
     real, calls = ft.checksum, [0]  # type: ignore[attr-defined]
 

@@ -1,0 +1,518 @@
+"""The file tier's I/O pipeline: stores and loads of blocks through the I/O engine.
+
+A store is checksummed on the tier's thread (:mod:`kvtier.tiers._worker`),
+its header encoded into a page-aligned header page, and header and payload
+written with one vectored request at the block's slot; with
+``durability="fsync"`` the blocks written meanwhile share one ``fsync``. A
+load reads header and payload with one vectored request and verifies both;
+a block that fails is handed to the quarantine, forgotten and reported as a
+miss. At most two blocks per engine slot are in flight; the rest wait in
+order. Each call is one job whose completion resolves once its last block
+is done, with a :class:`StoreResult` or :class:`LoadResult`.
+
+Separate from the slot file (:mod:`kvtier.tiers._slots`: where a block is, and
+clearing slots), from the recovery scan (:mod:`kvtier.tiers._recovery`: once,
+at open) and from the quarantine (:mod:`kvtier.tiers._quarantine`): this module
+is the one path every block of every call takes, and its counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import errno as _errno
+import logging
+import mmap
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.errors import (
+    BlockNotFoundError,
+    CapacityError,
+    IntegrityError,
+    KVTierError,
+    NamespaceMismatchError,
+    TierIOError,
+)
+from kvtier.manager import ResidencyManager
+from kvtier.tiers._format import (
+    HEADER_BYTES,
+    HeaderError,
+    checksum,
+    decode_header_fields,
+    encode_header_fields,
+)
+from kvtier.tiers._quarantine import Quarantine
+from kvtier.tiers._slots import SlotFile
+from kvtier.tiers._worker import Worker
+from kvtier.transfer.completion import Completion
+from kvtier.transfer.io_engine import IOEngine
+
+__all__ = ["LoadResult", "Pipeline", "StoreResult"]
+
+log = logging.getLogger("kvtier.file_tier")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    """Outcome of one :meth:`FileTier.store`, per key."""
+
+    stored: tuple[bytes, ...]
+    """Keys written and now ready."""
+    skipped: tuple[bytes, ...]
+    """Keys already present (ready or being written): nothing was written."""
+    failed: Mapping[bytes, KVTierError]
+    """Keys not stored, with why (:class:`~kvtier.errors.TierIOError` with errno and
+    path, or :class:`~kvtier.errors.CapacityError`); their slots were freed."""
+    evicted: tuple[bytes, ...] = ()
+    """Keys evicted to make room (their slots now hold the new blocks)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """Outcome of one :meth:`FileTier.load`, per key."""
+
+    loaded: tuple[bytes, ...]
+    """Keys whose bytes are now in their buffers, verified."""
+    missing: Mapping[bytes, KVTierError]
+    """Keys whose buffers hold no valid data, with why:
+    :class:`~kvtier.errors.BlockNotFoundError` (not resident),
+    :class:`~kvtier.errors.IntegrityError` or
+    :class:`~kvtier.errors.NamespaceMismatchError` (block quarantined), or
+    :class:`~kvtier.errors.TierIOError` (errno and path)."""
+
+
+@dataclass(slots=True)
+class _Job:
+    """One store or load call: the blocks still running and what they gave."""
+
+    done: Completion[Any]
+    store: bool
+    remaining: int
+    ok: list[bytes] = field(default_factory=list)
+    failed: dict[bytes, KVTierError] = field(default_factory=dict)
+    skipped: tuple[bytes, ...] = ()
+    evicted: tuple[bytes, ...] = ()
+    order: tuple[bytes, ...] = ()
+
+
+@dataclass(slots=True)
+class _BlockOp:
+    store: bool
+    key: bytes
+    view: memoryview
+    job: _Job
+    slot: int
+    """Slot of the file (not the manager's slot number)."""
+    page: int = -1
+    checksum: int = 0
+    """XXH3 of the payload (stores), computed off the loop before the write."""
+    syncing: bool = False
+    """Written, waiting for an fsync: it holds no I/O slot."""
+
+
+class _HeaderPages:
+    """Page-aligned header buffers, one per block in flight (O_DIRECT needs aligned memory)."""
+
+    def __init__(self, count: int) -> None:
+        self._map = mmap.mmap(-1, count * HEADER_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._view = memoryview(self._map)
+        self._free = list(range(count))
+
+    def take(self) -> int:
+        return self._free.pop()
+
+    def give(self, index: int) -> None:
+        self._free.append(index)
+
+    def view(self, index: int) -> memoryview:
+        return self._view[index * HEADER_BYTES : (index + 1) * HEADER_BYTES]
+
+    def close(self) -> None:
+        self._view.release()
+        # A finished request's view may still be alive (a completion's closure):
+        # the mapping is then unmapped by the garbage collector once it goes.
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
+
+class Pipeline:
+    """Blocks of store and load calls, in flight through the I/O engine, and their counters.
+
+    Parameters
+    ----------
+    loop
+        The loop the tier was opened on; completions resolve on it.
+    engine
+        The I/O engine; two blocks per engine slot are in flight at most.
+    slots
+        The slot file the blocks are read from and written to.
+    manager
+        The residency: plans every call and hears how each block ended.
+    namespace
+        The namespace written into, and checked against, every header.
+    worker
+        The tier's thread (payload checksums).
+    quarantine
+        Where blocks that fail verification are copied.
+    fsync
+        ``durability="fsync"``: a block is done once flushed.
+    on_settled
+        Called on the loop after each block ends, so that the tier can tell
+        whether anything is still in flight.
+    """
+
+    def __init__(
+        self,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        engine: IOEngine,
+        slots: SlotFile,
+        manager: ResidencyManager,
+        namespace: bytes,
+        worker: Worker,
+        quarantine: Quarantine,
+        fsync: bool,
+        on_settled: Callable[[], None],
+    ) -> None:
+        self._loop = loop
+        self._engine = engine
+        self._slots = slots
+        self._manager = manager
+        self._namespace = namespace
+        self._worker = worker
+        self._quarantine = quarantine
+        self._fsync = fsync
+        self._on_settled = on_settled
+        self._block_bytes = slots.block_bytes
+        self._file_bytes = slots.file_bytes
+        self._io_alignment = slots.io_alignment
+        self._fd = slots.fd
+        # Two blocks per engine slot keep the queue full while completions are
+        # handled, and bound the header pages.
+        self._max_active = 2 * engine.queue_depth
+        self._pages = _HeaderPages(self._max_active)
+        self._pending: collections.deque[_BlockOp] = collections.deque()
+        self._active = 0
+        self._sync_waiting: list[_BlockOp] = []
+        self._sync_running: list[_BlockOp] | None = None
+        # counters
+        self.hits = 0
+        self.misses = 0
+        self.stores = 0
+        self.store_failures = 0
+        self.evictions = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._busy = {True: 0, False: 0}  # blocks in flight, by "is a store"
+        self._busy_since = {True: 0.0, False: 0.0}
+        self._busy_seconds = {True: 0.0, False: 0.0}
+
+    @property
+    def busy(self) -> bool:
+        """True while a block is queued, in flight or waiting for its fsync."""
+        return bool(
+            self._active or self._pending or self._sync_waiting or self._sync_running is not None
+        )
+
+    def busy_seconds(self, store: bool) -> float:
+        """Seconds during which stores (or loads) were in flight, up to now."""
+        extra = time.perf_counter() - self._busy_since[store] if self._busy[store] else 0.0
+        return self._busy_seconds[store] + extra
+
+    def close(self) -> None:
+        """Release the header pages (once nothing is in flight)."""
+        self._pages.close()
+
+    # -- calls --------------------------------------------------------------------------
+
+    def refuse(self, keys: Sequence[bytes], err: KVTierError) -> Completion[StoreResult]:
+        """A store of ``keys`` that fails whole with ``err``, counted as failures."""
+        done: Completion[StoreResult] = Completion(self._loop)
+        self.store_failures += len(keys)
+        done.set_result(StoreResult(stored=(), skipped=(), failed=dict.fromkeys(keys, err)))
+        return done
+
+    def store(self, keys: Sequence[bytes], views: list[memoryview]) -> Completion[StoreResult]:
+        """Write validated ``views`` as the blocks of ``keys`` (see :meth:`FileTier.store`)."""
+        done: Completion[StoreResult] = Completion(self._loop)
+        plan = self._manager.prepare_store(list(keys))
+        if plan is None:
+            present = tuple(k for k in keys if k in self._manager)
+            err = CapacityError(
+                f"no room for {len(keys) - len(present)} blocks in the file tier "
+                f"({self._slots.slots} slots, pinned or in flight ones cannot be evicted)"
+            )
+            failed: dict[bytes, KVTierError] = {k: err for k in keys if k not in present}
+            self.store_failures += len(failed)
+            done.set_result(StoreResult(stored=(), skipped=present, failed=failed))
+            return done
+        file_slot = self._slots.file_slot
+        to_write = {k: file_slot[s] for k, s in zip(plan.keys, plan.slots, strict=True)}
+        evicted = tuple(plan.evicted)
+        self.evictions += len(evicted)
+        job = _Job(
+            done,
+            store=True,
+            remaining=len(to_write),
+            skipped=tuple(k for k in keys if k not in to_write),
+            evicted=evicted,
+            order=tuple(keys),
+        )
+        for key, view in zip(keys, views, strict=True):
+            slot = to_write.get(key)
+            if slot is not None:
+                self._pending.append(_BlockOp(True, key, view, job, slot))
+        if not to_write:
+            self._finish_job(job)
+        self._pump()
+        return done
+
+    def load(
+        self, keys: Sequence[bytes], views: list[memoryview], where: str
+    ) -> Completion[LoadResult]:
+        """Read validated ``views`` from the blocks of ``keys`` (see :meth:`FileTier.load`).
+
+        ``where`` names the tier in the error of a key that is not ready.
+        """
+        done: Completion[LoadResult] = Completion(self._loop)
+        ready = [k for k in keys if self._manager.is_ready(k)]
+        job = _Job(done, store=False, remaining=len(ready), order=tuple(keys))
+        for k in keys:
+            if not self._manager.is_ready(k):
+                job.failed[k] = BlockNotFoundError(f"block {k.hex()} is not in the {where}")
+        if ready:
+            plan = self._manager.prepare_load(ready)
+            by_key = dict(zip(keys, views, strict=True))
+            file_slot = self._slots.file_slot
+            for k, s in zip(plan.keys, plan.slots, strict=True):
+                self._pending.append(_BlockOp(False, k, by_key[k], job, file_slot[s]))
+        else:
+            self._finish_job(job)
+        self._pump()
+        return done
+
+    # -- blocks -------------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        while self._pending and self._active < self._max_active:
+            op = self._pending.popleft()
+            self._active += 1
+            self._busy_start(op.store)
+            self._start(op)
+
+    def _start(self, op: _BlockOp) -> None:
+        try:
+            if not op.store:
+                self._start_load(op)
+            elif not self._slots.after_clearing(op.slot, lambda: self._start(op)):
+                # (When the slot's previous block is being cleared, the write
+                # waits: it could land before the zeros, which would erase it.)
+                view = op.view
+                self._worker.submit(lambda: checksum(view), lambda s, e: self._summed(op, s, e))
+        except KVTierError as exc:
+            self._block_done(op, exc)
+        except Exception as exc:
+            # A bug must not leave the block pinned or the tier waiting forever.
+            log.exception("file tier: block %s failed to start", op.key.hex())
+            self._block_done(op, TierIOError(_errno.EIO, f"internal error: {exc!r}"))
+
+    def _busy_start(self, store: bool) -> None:
+        if not self._busy[store]:
+            self._busy_since[store] = time.perf_counter()
+        self._busy[store] += 1
+
+    def _busy_end(self, store: bool) -> None:
+        self._busy[store] -= 1
+        if not self._busy[store]:
+            self._busy_seconds[store] += time.perf_counter() - self._busy_since[store]
+
+    def _summed(self, op: _BlockOp, summed: int | None, exc: Exception | None) -> None:
+        if summed is None:
+            # The rows were validated, so a failed checksum is a bug: fail the block.
+            self._block_done(op, TierIOError(_errno.EIO, f"internal error: checksum {exc!r}"))
+            return
+        op.checksum = summed
+        try:
+            op.page = self._pages.take()
+            page = self._pages.view(op.page)
+            encode_header_fields(
+                page, op.key, self._namespace, self._block_bytes, summed, int(time.time())
+            )
+            done = self._engine.writev(
+                self._fd, [page, op.view], op.slot * self._file_bytes, alignment=self._io_alignment
+            )
+        except KVTierError as exc:
+            self._block_done(op, exc)
+            return
+        except Exception as exc:
+            # Reached from a worker callback, outside _pump's guard: a bug must
+            # not leave the block in flight and aclose waiting forever.
+            log.exception("file tier: block %s failed to start", op.key.hex())
+            self._block_done(op, TierIOError(_errno.EIO, f"internal error: {exc!r}"))
+            return
+        done.add_done_callback(lambda c: self._written(op, c))
+
+    def _written(self, op: _BlockOp, done: Completion[int]) -> None:
+        self._release_page(op)
+        err: KVTierError | None = None
+        exc = done.exception()
+        if exc is not None:
+            err = self._io_error(exc, f"writing slot {op.slot}")
+        elif done.result() != self._file_bytes:
+            err = TierIOError(
+                0,
+                f"short write of slot {op.slot}: {done.result()} of {self._file_bytes} bytes",
+                self._slots.path,
+            )
+        if err is not None or not self._fsync:
+            self._block_done(op, err)
+            return
+        # The I/O slot is free once the data is written: a flush shared by
+        # the blocks written meanwhile must not hold back the next writes.
+        op.syncing = True
+        self._active -= 1
+        self._sync_waiting.append(op)
+        self._start_sync()
+        self._pump()
+
+    def _io_error(self, exc: BaseException, what: str) -> TierIOError:
+        """A failed request's error as this tier's: its errno (EIO when it has
+        none), what the tier was doing, and the slot file's path."""
+        code = exc.errno if isinstance(exc, OSError) and exc.errno is not None else _errno.EIO
+        text = getattr(exc, "strerror", None) or exc
+        return TierIOError(code, f"{what}: {text}", self._slots.path)
+
+    def _start_sync(self) -> None:
+        """Flush the slot file for every block written so far (one fsync for many)."""
+        if self._sync_running is not None or not self._sync_waiting:
+            return
+        ops, self._sync_waiting = self._sync_waiting, []
+        self._sync_running = ops
+        try:
+            done = self._engine.fsync(self._fd)
+        except Exception as exc:
+            self._synced(ops, exc)
+            return
+        done.add_done_callback(lambda c: self._synced(ops, c.exception()))
+
+    def _synced(self, ops: list[_BlockOp], exc: BaseException | None) -> None:
+        self._sync_running = None
+        err: KVTierError | None = None
+        if exc is not None:
+            err = self._io_error(exc, "fsync")
+        for op in ops:
+            self._block_done(op, err)
+        self._start_sync()
+
+    def _start_load(self, op: _BlockOp) -> None:
+        op.page = self._pages.take()
+        done = self._engine.readv(
+            self._fd,
+            [self._pages.view(op.page), op.view],
+            op.slot * self._file_bytes,
+            alignment=self._io_alignment,
+        )
+        done.add_done_callback(lambda c: self._read(op, c))
+
+    def _read(self, op: _BlockOp, done: Completion[int]) -> None:
+        err: KVTierError | None = None
+        exc = done.exception()
+        if exc is not None:
+            err = self._io_error(exc, f"reading slot {op.slot}")
+        elif done.result() != self._file_bytes:
+            err = IntegrityError(
+                f"short read of slot {op.slot}: {done.result()} of {self._file_bytes} bytes",
+                self._slots.path,
+            )
+        else:
+            err = self._verify(op)
+        if isinstance(err, IntegrityError | NamespaceMismatchError) and op.page >= 0:
+            self._quarantine.keep(
+                op.slot, op.key, self._pages.view(op.page), op.view, type(err).__name__
+            )
+        self._block_done(op, err)
+
+    def _verify(self, op: _BlockOp) -> KVTierError | None:
+        where = f"{self._slots.path} slot {op.slot}"
+        try:
+            key, namespace, payload_bytes, _, payload_checksum = decode_header_fields(
+                self._pages.view(op.page)
+            )
+        except HeaderError as exc:
+            return IntegrityError(f"bad block header ({exc})", where)
+        if namespace != self._namespace:
+            return NamespaceMismatchError(
+                f"{where} holds a block of namespace {namespace.hex()}, not {self._namespace.hex()}"
+            )
+        if key != op.key:
+            return IntegrityError(f"slot holds block {key.hex()}, not {op.key.hex()}", where)
+        if payload_bytes != self._block_bytes:
+            return IntegrityError(
+                f"payload of {payload_bytes} bytes, expected {self._block_bytes}", where
+            )
+        if checksum(op.view) != payload_checksum:
+            return IntegrityError("payload checksum mismatch", where)
+        return None
+
+    def _release_page(self, op: _BlockOp) -> None:
+        if op.page >= 0:
+            self._pages.give(op.page)
+            op.page = -1
+
+    def _block_done(self, op: _BlockOp, err: KVTierError | None) -> None:
+        self._release_page(op)
+        job = op.job
+        key = op.key
+        if op.store:
+            self._manager.complete_store([key], success=err is None)
+            if err is None:
+                self.stores += 1
+                self.bytes_written += self._block_bytes
+            else:
+                self.store_failures += 1
+                # What the failed write left in the slot is unknown: clear it so
+                # that a restart cannot find a block nobody stored.
+                self._slots.zero(op.slot)
+        else:
+            self._manager.complete_load([key])
+            if err is None:
+                self.hits += 1
+                self.bytes_read += self._block_bytes
+            elif key in self._manager and self._manager.is_ready(key):
+                self._slots.forget([key])
+        self._slots.released(key)
+        if err is None:
+            job.ok.append(key)
+        else:
+            job.failed[key] = err
+            log.warning("file tier: block %s: %s", key.hex(), err)
+        self._busy_end(op.store)
+        if op.syncing:
+            op.syncing = False
+        else:
+            self._active -= 1
+        job.remaining -= 1
+        if job.remaining == 0:
+            self._finish_job(job)
+        self._pump()
+        self._on_settled()
+
+    def _finish_job(self, job: _Job) -> None:
+        ok = set(job.ok)
+        ordered = tuple(k for k in job.order if k in ok)
+        if job.store:
+            job.done.set_result(
+                StoreResult(
+                    stored=ordered, skipped=job.skipped, failed=job.failed, evicted=job.evicted
+                )
+            )
+        else:
+            self.misses += len(job.failed)
+            if ordered:
+                # A load is a use: the blocks a request hit move up the policy's order.
+                self._manager.touch(list(ordered))
+            job.done.set_result(LoadResult(loaded=ordered, missing=job.failed))
