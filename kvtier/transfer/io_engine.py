@@ -14,24 +14,29 @@ implementations exist:
 
 :func:`open_io_engine` picks one; ``"auto"`` probes io_uring once per process
 and logs the choice.
+
+This module is the factory, above both engines; the contract they implement
+(:class:`IOEngine`, its statistics, :func:`buffer_address`) is in
+:mod:`kvtier.transfer._io_base`, below them, and importable from here.
 """
 
 from __future__ import annotations
 
-import abc
-import ctypes
-import fcntl
 import logging
-import os
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
-
-from kvtier.errors import AlignmentError, ClosedError, InvalidArgumentError
-from kvtier.transfer.completion import Completion
+from kvtier.errors import InvalidArgumentError, TierIOError
+from kvtier.transfer._io_base import (
+    DEFAULT_DIRECT_ALIGNMENT,
+    IOV_MAX,
+    IOEngine,
+    IOEngineStatistics,
+    buffer_address,
+)
+from kvtier.transfer._ring import OP_NOP, Ring
+from kvtier.transfer.threads import ThreadEngine
+from kvtier.transfer.uring import UringEngine, _IovecPool
 
 __all__ = [
     "BYTES_IN_FLIGHT",
@@ -48,311 +53,7 @@ __all__ = [
 
 log = logging.getLogger("kvtier.io")
 
-DEFAULT_DIRECT_ALIGNMENT = 4096
-"""Alignment checked for an O_DIRECT descriptor when the caller names none.
-
-4096 covers every logical block size Linux filesystems use for direct I/O
-(512 or 4096); asking more than the device needs refuses nothing a caller
-that follows the CPU region's page alignment would pass.
-"""
-
-IOV_MAX = 1024
-"""Most buffers one vectored request may carry (Linux ``UIO_MAXIOV``)."""
-
 EngineKind = Literal["auto", "io_uring", "threads"]
-
-
-@dataclass(frozen=True, slots=True)
-class IOEngineStatistics:
-    """Counters of one I/O engine since it was opened."""
-
-    name: str
-    """``"io_uring"`` or ``"threads"``."""
-    queue_depth: int
-    """Most requests in the kernel (or in worker threads) at once."""
-    submitted: int
-    """Requests handed to the kernel or to a worker thread."""
-    completed: int
-    """Requests finished, successfully or not."""
-    failed: int
-    """Requests that finished with an error."""
-    in_flight: int
-    """Requests handed over and not finished."""
-    queued: int
-    """Requests waiting for room under ``queue_depth``."""
-    max_in_flight: int
-    """Highest ``in_flight`` seen; never above ``queue_depth``."""
-    submit_calls: int
-    """System calls (io_uring) or pool hand-offs (threads) that submitted them."""
-    bytes_read: int
-    """Bytes reported read by completed reads."""
-    bytes_written: int
-    """Bytes reported written by completed writes."""
-
-
-def _buffer_address_py(buf: memoryview) -> int:
-    """:func:`buffer_address` without the compiled helper."""
-    if not buf.readonly:
-        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    # ctypes refuses read-only exports; numpy reads the address without copying.
-    return int(np.frombuffer(buf, np.uint8).ctypes.data)
-
-
-try:
-    # One buffer export in C: 0.05 us against 0.9 (ctypes) or 3.9 (NumPy, read-only).
-    from kvtier.transfer._address import address as _buffer_address_c
-except ImportError:  # not built (no C compiler at install)
-    _buffer_address_c = None  # type: ignore[assignment]
-
-
-def buffer_address(buf: memoryview) -> int:
-    """Start address of a contiguous buffer (read-only ones included)."""
-    if _buffer_address_c is not None:
-        return _buffer_address_c(buf)
-    return _buffer_address_py(buf)
-
-
-def _as_bytes_view(buf: memoryview) -> memoryview:
-    if buf.ndim == 1 and buf.format in ("B", "b", "c") and buf.c_contiguous:
-        return buf
-    if not buf.c_contiguous:
-        raise InvalidArgumentError("I/O buffers must be C-contiguous")
-    return buf.cast("B")
-
-
-class IOEngine(abc.ABC):
-    """Vectored reads and writes at file offsets, completed asynchronously.
-
-    Requests are accepted at any rate; at most :attr:`queue_depth` are in the
-    kernel (or in worker threads) at once and the rest wait in submission
-    order. Every method that starts I/O returns a
-    :class:`~kvtier.transfer.completion.Completion` straight away.
-
-    Notes
-    -----
-    **Alignment.** For a descriptor opened with ``O_DIRECT``, every buffer's
-    address and length and the file offset must be multiples of the device's
-    logical block size. A request that breaks this raises
-    :class:`~kvtier.errors.AlignmentError` (with the address, length and
-    alignment) before anything is submitted, never a bare ``EINVAL`` from the
-    kernel. Pass ``alignment=`` to state the rule; with ``alignment=None`` the
-    engine reads the descriptor's flags and checks
-    :data:`DEFAULT_DIRECT_ALIGNMENT` when ``O_DIRECT`` is set.
-
-    **Buffers and cancellation.** The kernel (or a worker thread) reads or
-    writes the buffers until the completion is done. The engine keeps a
-    reference to them (an exported buffer, so an ``mmap`` cannot be closed
-    under it) until then. Cancelling a task that awaits a completion does not
-    cancel the I/O: the caller must not reuse or release the buffers before
-    :meth:`Completion.done` is true; release them from
-    :meth:`Completion.add_done_callback`.
-
-    **Errors.** A failed request resolves its completion with
-    :class:`~kvtier.errors.TierIOError` carrying the errno (the path is not
-    known here; the file tier re-raises with it). A short transfer is not an
-    error at this level: the completion's result is the byte count, as with
-    ``preadv(2)``.
-    """
-
-    # -- capabilities -------------------------------------------------------------------
-
-    @property
-    @abc.abstractmethod
-    def name(self) -> str:
-        """``"io_uring"`` or ``"threads"``."""
-
-    @property
-    def queue_depth(self) -> int:
-        """Most requests in flight at once; more are queued, not refused."""
-        return self._depth
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`aclose` has started."""
-        return self._closed
-
-    def __init__(self, *, queue_depth: int) -> None:
-        self._depth = queue_depth
-        self._closed = False
-        self._submitted = 0
-        self._completed = 0
-        self._failed = 0
-        self._max_in_flight = 0
-        self._submit_calls = 0
-        self._bytes_read = 0
-        self._bytes_written = 0
-
-    def statistics(self) -> IOEngineStatistics:
-        """Counters since the engine was opened."""
-        in_flight, queued = self._occupancy()
-        return IOEngineStatistics(
-            name=self.name,
-            queue_depth=self._depth,
-            submitted=self._submitted,
-            completed=self._completed,
-            failed=self._failed,
-            in_flight=in_flight,
-            queued=queued,
-            max_in_flight=self._max_in_flight,
-            submit_calls=self._submit_calls,
-            bytes_read=self._bytes_read,
-            bytes_written=self._bytes_written,
-        )
-
-    @abc.abstractmethod
-    def _occupancy(self) -> tuple[int, int]:
-        """Requests ``(in flight, queued)`` now."""
-
-    # -- I/O ----------------------------------------------------------------------------
-
-    def readv(
-        self,
-        fd: int,
-        buffers: Sequence[memoryview],
-        offset: int,
-        *,
-        alignment: int | None = None,
-    ) -> Completion[int]:
-        """Read from ``fd`` at ``offset`` into ``buffers``, filling them in order.
-
-        Parameters
-        ----------
-        fd
-            An open file descriptor, readable.
-        buffers
-            Writable, C-contiguous buffers (at most :data:`IOV_MAX`).
-        offset
-            File offset in bytes.
-        alignment
-            Alignment to enforce (see Notes of :class:`IOEngine`); ``None``
-            detects ``O_DIRECT``; ``1`` checks nothing.
-
-        Returns
-        -------
-        Completion[int]
-            Resolves to the bytes read (fewer than requested at end of file).
-
-        Raises
-        ------
-        AlignmentError
-            Before submission, for a buffer or offset breaking the alignment.
-        InvalidArgumentError
-            For no buffers, too many, or a read-only one.
-        ClosedError
-            When the engine is closed.
-        """
-        self._check_open()
-        views = self._prepare(fd, buffers, offset, alignment, for_read=True)
-        return self._submit_rw(True, fd, views, offset)
-
-    def writev(
-        self,
-        fd: int,
-        buffers: Sequence[memoryview],
-        offset: int,
-        *,
-        alignment: int | None = None,
-    ) -> Completion[int]:
-        """Write ``buffers`` back to back to ``fd`` at ``offset``.
-
-        Parameters and errors are those of :meth:`readv` (read-only buffers are
-        allowed). The completion resolves to the bytes written; a count below
-        the total is a short write that the caller must treat as a failure
-        or continue.
-        """
-        self._check_open()
-        views = self._prepare(fd, buffers, offset, alignment, for_read=False)
-        return self._submit_rw(False, fd, views, offset)
-
-    @abc.abstractmethod
-    def _submit_rw(
-        self, read: bool, fd: int, views: list[memoryview], offset: int
-    ) -> Completion[int]:
-        """Queue one validated vectored read or write."""
-
-    @abc.abstractmethod
-    def _submit_fsync(self, fd: int) -> Completion[None]:
-        """Queue one fsync."""
-
-    def fsync(self, fd: int) -> Completion[None]:
-        """Flush ``fd``'s data and metadata to stable storage (``fsync(2)``)."""
-        self._check_open()
-        return self._submit_fsync(fd)
-
-    @abc.abstractmethod
-    async def aclose(self) -> None:
-        """Stop accepting requests and release the engine; idempotent.
-
-        Notes
-        -----
-        Requests still waiting for room under the queue depth fail with
-        :class:`~kvtier.errors.ClosedError`; requests already in the kernel or
-        in a thread are waited for (they touch caller memory, which must not
-        be released under them). Cancelling the caller of ``aclose`` does not
-        interrupt that wait's effect: the engine still closes once they finish.
-        """
-
-    # -- shared helpers -----------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise ClosedError(f"the {self.name} I/O engine is closed")
-
-    @staticmethod
-    def check_aligned(buffers: Sequence[memoryview], offset: int, alignment: int) -> None:
-        """Raise :class:`~kvtier.errors.AlignmentError` unless every buffer is aligned.
-
-        Parameters
-        ----------
-        buffers
-            The buffers of one request.
-        offset
-            The file offset of the request.
-        alignment
-            Required alignment of each buffer's address and length and of the
-            offset; ``<= 1`` checks nothing.
-        """
-        if alignment <= 1:
-            return
-        mask = alignment - 1
-        if offset & mask:
-            # The offset is reported as a zero-length "buffer" at that address.
-            raise AlignmentError(offset, 0, alignment)
-        for buf in buffers:
-            addr = buffer_address(buf)
-            if addr & mask or buf.nbytes & mask:
-                raise AlignmentError(addr, buf.nbytes, alignment)
-
-    @staticmethod
-    def _prepare(
-        fd: int,
-        buffers: Sequence[memoryview],
-        offset: int,
-        alignment: int | None,
-        *,
-        for_read: bool,
-    ) -> list[memoryview]:
-        """Validate a request; the list of 1-D byte views to submit."""
-        if not buffers:
-            raise InvalidArgumentError("an I/O request needs at least one buffer")
-        if len(buffers) > IOV_MAX:
-            raise InvalidArgumentError(f"{len(buffers)} buffers exceed IOV_MAX ({IOV_MAX})")
-        if offset < 0:
-            raise InvalidArgumentError(f"offset must be >= 0, got {offset}")
-        views = [_as_bytes_view(b if isinstance(b, memoryview) else memoryview(b)) for b in buffers]
-        if for_read:
-            for v in views:
-                if v.readonly:
-                    raise InvalidArgumentError("cannot read into a read-only buffer")
-        if alignment is None:
-            try:
-                flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-            except OSError:
-                # A bad descriptor fails in the request itself, with its errno.
-                flags = 0
-            alignment = DEFAULT_DIRECT_ALIGNMENT if flags & os.O_DIRECT else 1
-        IOEngine.check_aligned(views, offset, alignment)
-        return views
 
 
 BYTES_IN_FLIGHT = 8 << 20
@@ -467,8 +168,6 @@ def probe_io_uring() -> str | None:
     """
     if _probe_result:
         return _probe_result[0]
-    from kvtier.transfer.uring import _IovecPool
-
     try:
         _IovecPool()  # the struct iovec layout the zero-copy path relies on
         reason = _probe_child()
@@ -479,8 +178,6 @@ def probe_io_uring() -> str | None:
 
 
 def _probe_in_process() -> str | None:
-    from kvtier.transfer._ring import OP_NOP, Ring
-
     try:
         ring = Ring(2)
         try:
@@ -516,8 +213,6 @@ async def open_io_engine(kind: EngineKind = "auto", *, queue_depth: int = 32) ->
     TierIOError
         When ``kind="io_uring"`` and io_uring cannot be set up here.
     """
-    from kvtier.errors import TierIOError
-
     if isinstance(queue_depth, bool) or not isinstance(queue_depth, int):
         raise InvalidArgumentError(f"queue_depth must be an int, got {queue_depth!r}")
     if not 1 <= queue_depth <= 4096:
@@ -527,8 +222,6 @@ async def open_io_engine(kind: EngineKind = "auto", *, queue_depth: int = 32) ->
     if kind in ("auto", "io_uring"):
         reason = probe_io_uring()
         if reason is None:
-            from kvtier.transfer.uring import UringEngine
-
             engine: IOEngine = UringEngine(queue_depth=queue_depth)
             if kind == "auto":
                 log.info("io engine: io_uring (queue depth %d)", queue_depth)
@@ -536,6 +229,4 @@ async def open_io_engine(kind: EngineKind = "auto", *, queue_depth: int = 32) ->
         if kind == "io_uring":
             raise TierIOError(0, f"io_uring is unavailable: {reason}")
         log.warning("io engine: threads, because io_uring is unavailable: %s", reason)
-    from kvtier.transfer.threads import ThreadEngine
-
     return ThreadEngine(queue_depth=queue_depth)

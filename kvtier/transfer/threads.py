@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable
 
 from kvtier.errors import ClosedError, TierIOError
+from kvtier.transfer._io_base import IOEngine
 from kvtier.transfer.completion import Completion
-from kvtier.transfer.io_engine import IOEngine
 
 __all__ = ["ThreadEngine"]
 

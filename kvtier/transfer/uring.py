@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import ClosedError, TierIOError
+from kvtier.transfer._io_base import IOEngine, buffer_address
 from kvtier.transfer._ring import OP_FSYNC, OP_READV, OP_WRITEV, Ring
 from kvtier.transfer.completion import Completion
-from kvtier.transfer.io_engine import IOEngine, buffer_address
 
 __all__ = ["UringEngine"]
 

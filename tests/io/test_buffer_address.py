@@ -7,7 +7,7 @@ import mmap
 import numpy as np
 import pytest
 
-from kvtier.transfer.io_engine import _buffer_address_py, buffer_address
+from kvtier.transfer._io_base import _buffer_address_py, buffer_address
 
 
 def test_the_helper_is_built_in_this_checkout() -> None:
