@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvtier.transfer.device import _Copier
+from kvtier.transfer._copier import _Copier
 
 __all__ = ["CpuCopier"]
 

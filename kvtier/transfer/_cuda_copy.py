@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvtier.transfer.device import _Copier
+from kvtier.transfer._copier import _Copier
 
 __all__ = ["CudaCopier", "contiguous_parts"]
 

@@ -37,6 +37,10 @@ and each run becomes at most three strided copies per tensor (a partial first
 row, whole rows, a partial last row), whatever the number of blocks in it. The
 CUDA backend cuts those further into pieces contiguous on both sides (a K or V
 half, one row: host rows are strided), since only those are single DMA copies.
+
+The backends are :mod:`kvtier.transfer._cpu_copy` and
+:mod:`kvtier.transfer._cuda_copy`; the contract they implement (``_Copier``) is
+in :mod:`kvtier.transfer._copier`, below them and this module, which picks one.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import asyncio
 import contextlib
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -54,6 +58,9 @@ import numpy as np
 
 from kvtier.errors import ClosedError, InvalidArgumentError, LayoutError, TransferError
 from kvtier.layout import KVLayout
+from kvtier.transfer._copier import _Copier
+from kvtier.transfer._cpu_copy import CpuCopier
+from kvtier.transfer._cuda_copy import CudaCopier
 from kvtier.transfer.completion import Completion
 
 if TYPE_CHECKING:
@@ -242,13 +249,8 @@ def open_device_transfer(
     if backend != kind:
         raise InvalidArgumentError(f"backend {backend!r} cannot copy tensors on {kind!r}")
     views = _match_views(layout, host_views, torch)
-    # The backends import this module's _Copier: imported here, not at the top.
     if backend == "cuda":  # pragma: no cover - needs a GPU
-        from kvtier.transfer._cuda_copy import CudaCopier
-
         return _ThreadedTransfer(layout, tensors, views, CudaCopier(tensors[0].device))
-    from kvtier.transfer._cpu_copy import CpuCopier
-
     return _ThreadedTransfer(layout, tensors, views, CpuCopier())
 
 
@@ -450,34 +452,6 @@ def _index_ops(runs: list[_Run], bpc: int, kv_first: bool) -> list[tuple[Any, An
 
 
 # -- the shared engine: a worker thread per direction -----------------------------------
-
-
-class _Copier(abc.ABC):
-    """What differs between backends: how a list of copies runs and completes.
-
-    Implemented in :mod:`kvtier.transfer._cpu_copy` and
-    :mod:`kvtier.transfer._cuda_copy`; tests plug fault-injecting ones in.
-    """
-
-    name: str
-
-    @abc.abstractmethod
-    def mark(self) -> object:
-        """Called on the submitting thread: a marker of the compute stream's progress."""
-
-    @abc.abstractmethod
-    def run(
-        self, store: bool, batches: Iterable[list[tuple[Any, Any]]], marker: object, nbytes: int
-    ) -> tuple[int, Callable[[], None] | None]:
-        """Issue ``dst.copy_(src)`` for each pair of each batch (a batch per tensor).
-
-        Returns the number of copies issued and, when the copies may still be
-        running on return, a callable that blocks until they are done (it runs
-        on a waiter thread, so the next request can be issued meanwhile).
-        """
-
-    def close(self) -> None:  # noqa: B027 - most copiers hold nothing to release
-        """Release helper threads; called once no request is in flight."""
 
 
 @dataclass(slots=True)

@@ -14,11 +14,11 @@ import torch
 from kvtier.errors import InvalidArgumentError, TransferError
 from kvtier.layout import KVLayout
 from kvtier.testing.device import DeviceTransferSuite, HostRows, reference_row
+from kvtier.transfer._copier import _Copier
 from kvtier.transfer._cpu_copy import CpuCopier
 from kvtier.transfer._cuda_copy import contiguous_parts
 from kvtier.transfer.device import (
     DeviceTransfer,
-    _Copier,
     _ThreadedTransfer,
     open_device_transfer,
 )
