@@ -6,6 +6,10 @@ One :class:`ResidencyManager` per tier. It decides; it never does I/O. See
 
 from __future__ import annotations
 
+# Imported for its effect: ResidencyManager builds the compiled manager for the
+# built-in policies once native.py has registered it (residency.py cannot import
+# it: the native manager subclasses the Python one).
+from kvtier.manager import native  # noqa: F401
 from kvtier.manager.events import BlockRemoved, BlockStored, ManagerEvent
 from kvtier.manager.plans import LoadPlan, ManagerStatistics, StorePlan
 from kvtier.manager.policies import ARCPolicy, CachePolicy, LRUPolicy

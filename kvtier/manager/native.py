@@ -5,6 +5,9 @@ built-in policies (``"lru"``, ``"arc"``) when the compiled core
 (``kvtier.manager._native``, built from ``_native.c`` at install) imports; a
 :class:`~kvtier.manager.CachePolicy` instance, ``native=False`` or the
 environment variable ``KVTIER_MANAGER=python`` give the pure-Python manager.
+This module makes that choice and registers it with
+:func:`kvtier.manager.residency.register_variant` when imported (``kvtier.manager``
+imports it): the Python manager, which this one subclasses, never imports it.
 Both behave alike call for call: the same plans, slots, victims, errors and
 events; the conformance suite, the Hypothesis state machine and the policy
 scenarios run against both.
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from kvtier.errors import BlockNotFoundError, BusyError, InvalidArgumentError, ProtocolError
 from kvtier.manager.events import BlockRemoved, BlockStored, ManagerEvent
 from kvtier.manager.plans import LoadPlan, ManagerStatistics, StorePlan
-from kvtier.manager.residency import ResidencyManager, check_construction
+from kvtier.manager.residency import ResidencyManager, check_construction, register_variant
 
 if TYPE_CHECKING:
     from kvtier.manager._native import Core
@@ -251,3 +254,11 @@ class NativeResidencyManager(ResidencyManager):
             f"<ResidencyManager tier={self._tier!r} policy={self._view.name} (native) "
             f"{len(self)}/{self._capacity} slots>"
         )
+
+
+def _choose(policy: object, native: bool | None) -> type[ResidencyManager] | None:
+    """The class ``ResidencyManager(policy=..., native=...)`` builds, if not itself."""
+    return NativeResidencyManager if native_wanted(policy, native) else None
+
+
+register_variant(_choose)

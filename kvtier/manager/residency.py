@@ -20,7 +20,8 @@ Block states::
 
 This module is the pure-Python manager. For the built-in policies,
 ``ResidencyManager(...)`` builds its compiled twin instead
-(:class:`kvtier.manager.native.NativeResidencyManager`); this one serves custom
+(:class:`kvtier.manager.native.NativeResidencyManager`, which subclasses this
+one and registers itself with :func:`register_variant`); this one serves custom
 policies, ``native=False``, and installs without the extension.
 
 How it stays fast and small
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import filterfalse, repeat
 
 from kvtier.errors import BlockNotFoundError, BusyError, InvalidArgumentError, ProtocolError
@@ -46,7 +47,7 @@ from kvtier.manager.events import BlockRemoved, BlockStored, ManagerEvent
 from kvtier.manager.plans import LoadPlan, ManagerStatistics, StorePlan
 from kvtier.manager.policies import ARCPolicy, CachePolicy, LRUPolicy
 
-__all__ = ["ResidencyManager"]
+__all__ = ["ResidencyManager", "register_variant"]
 
 _BYTES_ONLY = frozenset({bytes})
 _EMPTY_PLAN = StorePlan((), (), (), ())
@@ -92,6 +93,26 @@ def check_construction(capacity_slots: object, tier: object) -> None:
         raise InvalidArgumentError(f"capacity_slots must be a positive int, got {capacity_slots!r}")
     if not isinstance(tier, str):
         raise InvalidArgumentError(f"tier must be a str, got {tier!r}")
+
+
+_VARIANTS: list[Callable[[object, bool | None], type[ResidencyManager] | None]] = []
+"""What :class:`ResidencyManager` may build instead of itself, asked in order."""
+
+
+def register_variant(
+    choose: Callable[[object, bool | None], type[ResidencyManager] | None],
+) -> None:
+    """Let ``ResidencyManager(...)`` build a subclass: ``choose(policy, native)`` names it, or None.
+
+    :mod:`kvtier.manager.native` registers its compiled manager here when it
+    is imported (``kvtier.manager`` imports it), rather than this module
+    importing it: the native manager subclasses this one, so the choice is
+    made above both and no module imports one that imports it back.
+    ``choose`` may raise :class:`~kvtier.errors.InvalidArgumentError` for a
+    ``native`` it cannot honour.
+    """
+    if choose not in _VARIANTS:
+        _VARIANTS.append(choose)
 
 
 def _make_policy(policy: str | CachePolicy) -> CachePolicy:
@@ -181,10 +202,10 @@ class ResidencyManager:
         native: bool | None = None,
     ) -> ResidencyManager:
         if cls is ResidencyManager:
-            from kvtier.manager.native import NativeResidencyManager, native_wanted
-
-            if native_wanted(policy, native):
-                return object.__new__(NativeResidencyManager)
+            for choose in _VARIANTS:
+                variant = choose(policy, native)
+                if variant is not None:
+                    return object.__new__(variant)
         return object.__new__(cls)
 
     def __init__(
