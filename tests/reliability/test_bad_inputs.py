@@ -12,7 +12,9 @@ import asyncio
 import gc
 import os
 import sys
+import threading
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -442,15 +444,26 @@ FAILED_OPENS = [
 async def test_a_failed_open_releases_everything(tmp_path: Path, name: str) -> None:
     call = next(row[1] for row in ROWS if row[0] == name)
     ctx = Ctx(None, [], tmp_path, [], [])  # type: ignore[arg-type]  # opens need no engine
-    with pytest.raises(KVTierError):
-        await call(ctx)  # once first: thread pools and caches settle
-    gc.collect()
-    before = _mappings(), _descriptors()
-    for _ in range(20):
+    # The loop's default thread pool starts threads (each a stack mapping) as
+    # load demands: give it all its threads now, so that any mapping counted
+    # later was left by an open.
+    loop = asyncio.get_running_loop()
+    pool = ThreadPoolExecutor(max_workers=4)
+    loop.set_default_executor(pool)
+    started = threading.Barrier(4)
+    await asyncio.gather(*(asyncio.to_thread(started.wait, 10) for _ in range(4)))
+    try:
         with pytest.raises(KVTierError):
-            await call(ctx)
-    gc.collect()
-    assert (_mappings(), _descriptors()) == before
+            await call(ctx)  # once first: caches settle
+        gc.collect()
+        before = _mappings(), _descriptors()
+        for _ in range(20):
+            with pytest.raises(KVTierError):
+                await call(ctx)
+        gc.collect()
+        assert (_mappings(), _descriptors()) == before
+    finally:
+        pool.shutdown(wait=False)
 
 
 def _mappings() -> int:
