@@ -709,9 +709,14 @@ class FileTier:
 
 def _make_root(root: Path) -> None:
     try:
-        if not root.exists():
+        try:
             root.mkdir(mode=0o700, parents=True)
-            os.chmod(root, 0o700)
+        except FileExistsError:
+            # There already, or made by another process opening the root at the
+            # same moment (a test-then-create would race it): what it is gets
+            # checked when it is opened.
+            return
+        os.chmod(root, 0o700)
     except OSError as exc:
         raise TierIOError(
             exc.errno or 0, f"cannot create the tier root: {exc.strerror}", exc.filename or root
