@@ -25,9 +25,12 @@ from kvtier.errors import (
     SharedRegionError,
     TierIOError,
     TransferError,
+    WorkerError,
+    WorkerLostError,
 )
 from kvtier.keys import KEY_BYTES, chain_keys
 from kvtier.layout import KVLayout, TensorSpec
+from kvtier.workers import Worker, WorkerGroup
 
 __version__ = "0.1.0"
 
@@ -57,6 +60,10 @@ __all__ = [
     "TierCounters",
     "TierIOError",
     "TransferError",
+    "Worker",
+    "WorkerError",
+    "WorkerGroup",
+    "WorkerLostError",
     "__version__",
     "chain_keys",
 ]

@@ -21,6 +21,11 @@ The protocol (see docs/cpu-region.md for the picture):
   the count reach ``world_size`` unlinks the name: from then on a crash of every
   process leaves nothing behind. A process that closes while no other holds the
   live lock unlinks it too.
+* A **holder** (the scheduler of a split instance, ``rank=None``) maps every
+  rank's slice and is one more party: it can only create the file (a name
+  already live belongs to another instance), the header marks it, and the
+  name goes once ``world_size`` ranks and the holder attached. The geometry
+  carries an **instance** token: a rank of another instance is refused.
 """
 
 from __future__ import annotations
@@ -54,11 +59,13 @@ MAX_WORLD_SIZE = 1024
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
 
 _MAGIC = b"KVTIERRG"
-_VERSION = 1
+_VERSION = 2
 _READY = 1
 # magic, version, state, data_offset, data_bytes, rows, row_stride, slice_bytes,
-# alignment, world_size, creator_pid, attached, page_size, namespace, data path
-_HEADER = struct.Struct("<8sIIQQQQQQIIIQ16s256s")
+# alignment, world_size, creator_pid, attached, page_size, namespace, data path,
+# holder (1 when a whole-row holder is a party), instance token. New fields go at
+# the end: the offsets of the others stay where version 1 had them.
+_HEADER = struct.Struct("<8sIIQQQQQQIIIQ16s256sI16s")
 _RANKS_AT = 512
 _HEADER_BYTES = _RANKS_AT + MAX_WORLD_SIZE // 8
 _MUTEX, _LIVE = 0, 1
@@ -82,6 +89,8 @@ class Geometry:
     """Processes sharing the region."""
     namespace: bytes
     """The layout's namespace (same for every rank of one model)."""
+    instance: bytes = bytes(16)
+    """16 bytes naming the serving instance (its scheduler); zeros without one."""
 
     @property
     def data_bytes(self) -> int:
@@ -217,6 +226,7 @@ class _Header:
     page_size: int
     data_path: str | None
     ranks: bytearray
+    holder: int = 0
 
 
 def _read_header(fd: int) -> _Header | None:
@@ -234,12 +244,13 @@ def _read_header(fd: int) -> _Header | None:
         state=f[2],
         data_offset=f[3],
         data_bytes=f[4],
-        geometry=Geometry(f[5], f[6], f[7], f[8], f[9], f[13]),
+        geometry=Geometry(f[5], f[6], f[7], f[8], f[9], f[13], f[16]),
         creator_pid=f[10],
         attached=f[11],
         page_size=f[12],
         data_path=path or None,
         ranks=bytearray(raw[_RANKS_AT:_HEADER_BYTES]),
+        holder=f[15],
     )
 
 
@@ -261,18 +272,21 @@ def _write_header(fd: int, h: _Header) -> None:
         h.page_size,
         g.namespace,
         (h.data_path or "").encode(),
+        h.holder,
+        g.instance,
     )
     buf = packed.ljust(_RANKS_AT, b"\0") + bytes(h.ranks)
     if os.pwrite(fd, buf, 0) != len(buf):  # pragma: no cover - tmpfs writes whole
         raise SharedRegionError("short write of the shared region header")
 
 
-def _attach_rank(fd: int, h: _Header, rank: int, path: str) -> None:
-    h.ranks[rank // 8] |= 1 << (rank % 8)
+def _attach_rank(fd: int, h: _Header, rank: int | None, path: str) -> None:
+    if rank is not None:
+        h.ranks[rank // 8] |= 1 << (rank % 8)
     h.attached += 1
     _write_header(fd, h)
     _setlk(fd, fcntl.F_RDLCK, _LIVE)
-    if h.attached >= h.geometry.world_size:
+    if h.attached >= h.geometry.world_size + h.holder:
         # Every process has the file open (and maps it through that descriptor):
         # the name is no longer needed, and without it a crash leaves nothing.
         _unlink_names(path, fd, h.data_path)
@@ -281,15 +295,18 @@ def _attach_rank(fd: int, h: _Header, rank: int, path: str) -> None:
 # -- attach / detach ------------------------------------------------------------------------
 
 
-def attach(name: str, geometry: Geometry, rank: int, join_timeout: float) -> Attachment:
+def attach(name: str, geometry: Geometry, rank: int | None, join_timeout: float) -> Attachment:
     """Create the region file ``name``, or join it; see the module docstring.
+
+    ``rank=None`` attaches the holder, which maps every slice: it only creates.
 
     Raises
     ------
     SharedRegionError
         The creator died part way (its file is removed), it did not finish
-        within ``join_timeout``, the file was made for another geometry, or
-        ``rank`` is already attached.
+        within ``join_timeout``, the file was made for another geometry (or
+        instance), ``rank`` is already attached, or a holder finds the name
+        live (another instance uses it).
     CapacityError
         ``/dev/shm`` (or the huge page pool) lacks the room; nothing is left behind.
     """
@@ -320,7 +337,7 @@ def attach(name: str, geometry: Geometry, rank: int, join_timeout: float) -> Att
             )
 
 
-def _try_create(path: str, geometry: Geometry, rank: int) -> Attachment | None:
+def _try_create(path: str, geometry: Geometry, rank: int | None) -> Attachment | None:
     fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
     try:
         _setlk(fd, fcntl.F_WRLCK, _MUTEX)
@@ -348,7 +365,7 @@ def _try_create(path: str, geometry: Geometry, rank: int) -> Attachment | None:
     return att
 
 
-def _initialize(fd: int, path: str, geometry: Geometry, rank: int) -> Attachment:
+def _initialize(fd: int, path: str, geometry: Geometry, rank: int | None) -> Attachment:
     data_bytes = geometry.data_bytes
     huge = _hugetlbfs_dir(data_bytes)
     data_fd, data_path, page_size = fd, None, PAGE_SIZE
@@ -394,6 +411,7 @@ def _initialize(fd: int, path: str, geometry: Geometry, rank: int) -> Attachment
             page_size=page_size,
             data_path=data_path,
             ranks=bytearray(MAX_WORLD_SIZE // 8),
+            holder=int(rank is None),
         )
         _attach_rank(fd, header, rank, path)
     except BaseException:
@@ -408,7 +426,12 @@ def _initialize(fd: int, path: str, geometry: Geometry, rank: int) -> Attachment
 
 
 def _join(
-    fd: int, path: str, geometry: Geometry, rank: int, deadline: float, join_timeout: float
+    fd: int,
+    path: str,
+    geometry: Geometry,
+    rank: int | None,
+    deadline: float,
+    join_timeout: float,
 ) -> Attachment | None:
     if not _acquire_mutex(fd, deadline):
         raise SharedRegionError(
@@ -431,6 +454,13 @@ def _join(
             # rely on its bytes. Remove it and create a fresh one.
             _unlink_names(path, fd, h.data_path)
             return None
+        if rank is None:
+            # The holder is the instance's scheduler: a live file under its
+            # name is another instance's, never one to share.
+            raise SharedRegionError(
+                f"shared region {path} is in use by another instance (pid "
+                f"{h.creator_pid} created it): choose another name"
+            )
         _check_geometry(path, h.geometry, geometry)
         _check_fields(path, h)
         if h.ranks[rank // 8] & (1 << (rank % 8)):
@@ -459,7 +489,8 @@ def _check_geometry(path: str, theirs: Geometry, mine: Geometry) -> None:
     ]
     raise SharedRegionError(
         f"shared region {path} was created for another geometry ({'; '.join(diffs)}); "
-        "every worker must pass the same layout namespace, budget, world_size and alignment"
+        "every worker must pass the same layout namespace, budget, world_size and alignment, "
+        "and belong to the instance that created it"
     )
 
 

@@ -40,6 +40,7 @@ from kvtier.tiers.file_tier import FileTier, FileTierStatistics, LoadResult, Sto
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.device import DeviceTransfer, check_block_ids, open_device_transfer
 from kvtier.transfer.io_engine import IOEngine
+from kvtier.workers.group import WorkerGroup
 
 if TYPE_CHECKING:
     import torch
@@ -258,6 +259,8 @@ class Engine:
             config.file_tier is not None and config.file_tier.write_policy == "write_back"
         )
         self._bpc = layout.blocks_per_chunk
+        # Every rank's slice of a row moves with each block (one slice in one process).
+        self._row_bytes = layout.bytes_per_chunk * region.world_size
         self._inflight: dict[bytes, _Job] = {}
         self._pending: set[Completion[None]] = set()
         self._file_writes: set[Completion[None]] = set()
@@ -290,24 +293,38 @@ class Engine:
         cls,
         config: KVTierConfig,
         layout: KVLayout,
-        kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+        kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | None = None,
         *,
+        workers: WorkerGroup | None = None,
+        worker_timeout: float = 60.0,
         backend: Literal["auto", "cpu", "cuda"] = "auto",
         io_engine: IOEngine | None = None,
         wrap_transfer: Callable[[DeviceTransfer], DeviceTransfer] | None = None,
     ) -> Engine:
-        """Map the CPU region, open the file tier and the device copier.
+        """Map the CPU region, open the file tier and the device copier (or the workers).
 
         Parameters
         ----------
         config
             The instance configuration.
         layout
-            The layout of ``kv_caches`` (:meth:`KVLayout.from_tensors`).
+            The layout of ``kv_caches`` (:meth:`KVLayout.from_tensors`); with
+            ``workers``, the layout of one rank (``tp_size`` = world size; the
+            rank does not matter): keys and the file tier cover whole rows.
         kv_caches
-            The serving engine's KV tensors, in the layout's order.
+            The serving engine's KV tensors, in the layout's order; None with
+            ``workers`` (the tensors live in the worker processes).
+        workers
+            The scheduler side of a split instance
+            (:meth:`kvtier.workers.WorkerGroup.bind`): the engine creates the
+            shared CPU region mapped whole (every rank's slice), waits for one
+            worker per rank to register and attach it, sends every copy job to
+            all of them, and closes the group with itself.
+        worker_timeout
+            Seconds to wait for every rank to register and attach.
         backend
-            Device copier: ``cuda`` streams, ``cpu`` threads, or ``auto``.
+            Device copier: ``cuda`` streams, ``cpu`` threads, or ``auto``
+            (in-process only; each worker picks its own).
         io_engine
             An I/O engine for the file tier to share (the engine does not close
             it); by default the file tier opens its own from the configuration.
@@ -320,10 +337,15 @@ class Engine:
         ------
         ConfigurationError
             When ``config`` and ``layout`` disagree (``blocks_per_chunk``), or
-            ``config.world_size`` is not 1.
+            ``config.world_size`` is not 1 without ``workers`` (not the
+            group's and the layout's world size with them).
         LayoutError
-            For a layout with ``tp_size > 1``: one engine per tensor-parallel
-            rank would share the file tier's namespace.
+            For a layout with ``tp_size > 1`` without ``workers``: one engine
+            per tensor-parallel rank would share the file tier's namespace.
+        InvalidArgumentError
+            ``kv_caches`` missing without ``workers``, or given with them.
+        WorkerError
+            Not every rank registered and attached within ``worker_timeout``.
         CapacityError
             When the CPU budget is below one row.
         TierIOError, DirectIOUnsupportedError
@@ -334,11 +356,13 @@ class Engine:
         Everything opened before a failure is closed again before the error
         propagates.
         """
-        if config.blocks_per_chunk != layout.blocks_per_chunk:
-            raise ConfigurationError(
-                f"config.blocks_per_chunk is {config.blocks_per_chunk} but the layout was "
-                f"built with blocks_per_chunk={layout.blocks_per_chunk}"
+        _check_chunking(config, layout)
+        if workers is not None:
+            return await cls._open_split(
+                config, layout, kv_caches, workers, worker_timeout, io_engine, wrap_transfer
             )
+        if kv_caches is None:
+            raise InvalidArgumentError("kv_caches is required (or workers= for a split instance)")
         if config.world_size != 1:
             raise ConfigurationError(
                 "Engine drives one worker; for world_size > 1 open a shared CPURegion per "
@@ -375,6 +399,71 @@ class Engine:
         except BaseException:
             if transfer is not None:
                 await transfer.aclose()
+            region.close()
+            raise
+        return cls(config, layout, region, transfer, file_tier)
+
+    @classmethod
+    async def _open_split(
+        cls,
+        config: KVTierConfig,
+        layout: KVLayout,
+        kv_caches: object,
+        workers: WorkerGroup,
+        worker_timeout: float,
+        io_engine: IOEngine | None,
+        wrap_transfer: Callable[[DeviceTransfer], DeviceTransfer] | None,
+    ) -> Engine:
+        """The scheduler of a split instance: the region whole, copies by the workers."""
+        try:
+            if kv_caches is not None:
+                raise InvalidArgumentError(
+                    "with workers=, the KV tensors live in the worker processes: pass no kv_caches"
+                )
+            world = workers.world_size
+            _check_chunking(config, layout)
+            if config.world_size != world or layout.tp_size != world:
+                raise ConfigurationError(
+                    f"the worker group has {world} ranks, config.world_size is "
+                    f"{config.world_size} and the layout's tp_size is {layout.tp_size}: all "
+                    "three must agree"
+                )
+            if isinstance(worker_timeout, bool) or not isinstance(worker_timeout, int | float):
+                raise InvalidArgumentError(
+                    f"worker_timeout must be a number, got {worker_timeout!r}"
+                )
+            name = config.shared_region_name or f"i{workers.instance.hex()}"
+            alignment = _FILE_ALIGNMENT if config.file_tier is not None else None
+            budget = int(config.cpu_bytes_to_use)
+            region = await asyncio.to_thread(
+                CPURegion.create,
+                layout,
+                budget,
+                world_size=world,
+                rank=None,
+                shared_name=name,
+                instance=workers.instance,
+                alignment=alignment,
+            )
+        except BaseException:
+            await workers.aclose()
+            raise
+        transfer: DeviceTransfer = workers
+        try:
+            await workers.start(layout, region, budget, float(worker_timeout))
+            if wrap_transfer is not None:
+                transfer = wrap_transfer(transfer)
+            file_tier = None
+            if config.file_tier is not None:
+                file_tier = await FileTier.open(
+                    config.file_tier,
+                    layout,
+                    block_bytes=region.row_stride,
+                    alignment=min(region.alignment, _FILE_ALIGNMENT),
+                    io_engine=io_engine,
+                )
+        except BaseException:
+            await transfer.aclose()
             region.close()
             raise
         return cls(config, layout, region, transfer, file_tier)
@@ -643,7 +732,7 @@ class Engine:
 
         def copied(c: Completion[None]) -> None:
             ok = c.exception() is None and not cancelled[0]
-            self._t_cpu.end(True, len(plan.keys) if ok else 0, self._layout.bytes_per_chunk)
+            self._t_cpu.end(True, len(plan.keys) if ok else 0, self._row_bytes)
             self._cpu.complete_store(plan.keys, ok)
             for k in plan.keys:
                 self._inflight.pop(k, None)
@@ -920,7 +1009,7 @@ class Engine:
         copy = _guarded(
             lambda: self._xfer.load(slots, _prefix_ids(ids, n * self._bpc - skip), skip)
         )
-        block_bytes = self._layout.bytes_per_chunk
+        block_bytes = self._row_bytes
         # What flush waits for: done only after the rows are unpinned, not when
         # the copy is (its done callbacks run a loop iteration later).
         settled: Completion[None] = Completion()
@@ -1022,6 +1111,14 @@ class Engine:
 
 _FILE_ALIGNMENT = 4096
 """Rows are aligned for O_DIRECT when a file tier reads and writes them."""
+
+
+def _check_chunking(config: KVTierConfig, layout: KVLayout) -> None:
+    if config.blocks_per_chunk != layout.blocks_per_chunk:
+        raise ConfigurationError(
+            f"config.blocks_per_chunk is {config.blocks_per_chunk} but the layout was "
+            f"built with blocks_per_chunk={layout.blocks_per_chunk}"
+        )
 
 
 def _guarded(start: _Starter) -> Completion[None]:

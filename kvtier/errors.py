@@ -21,6 +21,8 @@ lower-layer error (an ``OSError`` from the kernel, a CUDA error) is kept as
     │   └── DirectIOUnsupportedError             O_DIRECT refused where it was required
     ├── IntegrityError                           stored bytes fail verification
     ├── TransferError                            a device <-> CPU copy failed
+    │   └── WorkerError                          a worker process failed a job (names the rank)
+    │       └── WorkerLostError                  a worker process is gone; its group is broken
     ├── SharedRegionError                        a shared CPU region cannot be joined
     ├── ClosedError               (RuntimeError) the object was closed
     └── BusyError                 (RuntimeError) the resource is in use
@@ -48,6 +50,8 @@ __all__ = [
     "SharedRegionError",
     "TierIOError",
     "TransferError",
+    "WorkerError",
+    "WorkerLostError",
 ]
 
 
@@ -178,6 +182,29 @@ class IntegrityError(KVTierError):
 
 class TransferError(KVTierError):
     """A copy between device memory and the CPU region failed."""
+
+
+class WorkerError(TransferError):
+    """A worker process (one tensor-parallel rank) failed a job or its registration.
+
+    Parameters
+    ----------
+    message
+        The whole explanation; it names the rank.
+    rank
+        The rank of the worker, or None when no single rank is to blame.
+    remote
+        The class name of the error the worker raised, when it raised one.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, remote: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.remote = remote
+
+
+class WorkerLostError(WorkerError):
+    """A worker process exited (or its channel broke); its group refuses further jobs."""
 
 
 class SharedRegionError(KVTierError):

@@ -142,8 +142,9 @@ class CPURegion:
     """Alignment of every row address and of ``row_stride``: a power of two >= the page size."""
     world_size: int
     """Worker processes sharing each row."""
-    rank: int
-    """This process's worker index: its slice starts at ``rank * slice_bytes``."""
+    rank: int | None
+    """This process's worker index: its slice starts at ``rank * slice_bytes``;
+    None for the scheduler's whole-row mapping (every slice, no rank)."""
 
     _layout: KVLayout
     _closed: bool
@@ -175,8 +176,9 @@ class CPURegion:
         cpu_bytes_to_use: int,
         *,
         world_size: int = 1,
-        rank: int = 0,
+        rank: int | None = 0,
         shared_name: str | None = None,
+        instance: bytes | None = None,
         alignment: int | None = None,
         join_timeout: float = 30.0,
         pin: PinMode = "auto",
@@ -191,10 +193,16 @@ class CPURegion:
             Byte budget for all rows of all workers; never exceeded.
         world_size, rank
             Worker processes sharing each row, and this process's index.
+            ``rank=None`` maps every slice of each row (the scheduler of a
+            split instance): it needs ``shared_name``, creates the file and is
+            one more party besides the ``world_size`` ranks.
         shared_name
             Name of the shared region (``[A-Za-z0-9._-]``, up to 200 characters);
             required when ``world_size > 1``. With a name, the region is a file
             ``/dev/shm/kvtier-<name>`` even for one process.
+        instance
+            16 bytes naming the serving instance; a process passing other bytes
+            than the creator cannot join (default: zeros).
         alignment
             Required alignment of rows (a power of two); default the page size.
         join_timeout
@@ -233,9 +241,19 @@ class CPURegion:
             raise InvalidArgumentError(
                 f"world_size must be at most {_shm.MAX_WORLD_SIZE}, got {world_size}"
             )
-        _check_int("rank", rank, 0)
-        if rank >= world_size:
-            raise InvalidArgumentError(f"rank {rank} is not below world_size {world_size}")
+        if rank is None:
+            if shared_name is None:
+                raise InvalidArgumentError(
+                    "rank=None maps every worker's slice of a shared region: pass shared_name="
+                )
+        else:
+            _check_int("rank", rank, 0)
+            if rank >= world_size:
+                raise InvalidArgumentError(f"rank {rank} is not below world_size {world_size}")
+        if instance is None:
+            instance = bytes(16)
+        if not isinstance(instance, bytes) or len(instance) != 16:
+            raise InvalidArgumentError(f"instance must be 16 bytes, got {instance!r}")
         if isinstance(join_timeout, bool) or not isinstance(join_timeout, int | float):
             raise InvalidArgumentError(f"join_timeout must be a number, got {join_timeout!r}")
         if not (math.isfinite(join_timeout) and join_timeout >= 0):
@@ -288,7 +306,7 @@ class CPURegion:
                 backing: Backing = "anonymous"
             else:
                 geometry = _shm.Geometry(
-                    rows, row_stride, slice_bytes, align, world_size, layout.namespace
+                    rows, row_stride, slice_bytes, align, world_size, layout.namespace, instance
                 )
                 try:
                     att = _shm.attach(shared_name, geometry, rank, float(join_timeout))
@@ -424,12 +442,14 @@ class CPURegion:
         Raises
         ------
         InvalidArgumentError
-            ``rank`` is not in ``[0, world_size)``.
+            ``rank`` is not in ``[0, world_size)``, or is None in the whole-row
+            mapping (which has no rank of its own).
         ClosedError
             The region is closed.
         """
         try:
-            r = self.rank if rank is None else operator.index(rank)
+            own = -1 if self.rank is None else self.rank
+            r = own if rank is None else operator.index(rank)
         except TypeError:
             r = -1
         if isinstance(rank, bool) or not 0 <= r < self.world_size:

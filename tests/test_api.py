@@ -29,6 +29,10 @@ PUBLIC = {
     "TierCounters",
     "TierIOError",
     "TransferError",
+    "Worker",
+    "WorkerError",
+    "WorkerGroup",
+    "WorkerLostError",
     "__version__",
     "chain_keys",
 }

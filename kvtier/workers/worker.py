@@ -1,0 +1,294 @@
+"""The worker's side of the process split: one rank's copies, run in that rank's process.
+
+A :class:`Worker` connects to the scheduler's
+:class:`~kvtier.workers.group.WorkerGroup`, registers its rank and layout,
+attaches the shared CPU region with its rank, and then serves copy jobs with
+the same in-process copier the single-process engine uses
+(:func:`~kvtier.transfer.device.open_device_transfer`, CUDA or CPU backend),
+copying only its own slice of each row.
+
+It watches the scheduler's process through a pidfd: when the scheduler exits
+(even by SIGKILL), :meth:`Worker.serve` finishes the copies in flight,
+detaches the region and returns ``"scheduler_gone"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal
+
+import zmq
+import zmq.asyncio
+
+from kvtier.errors import KVTierError, WorkerError
+from kvtier.layout import KVLayout
+from kvtier.region import CPURegion
+from kvtier.transfer.completion import Completion
+from kvtier.transfer.device import DeviceTransfer, open_device_transfer
+from kvtier.workers.jobs import Hello, JobDone, JobSpec, Notice, Welcome, decode, error_from
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Worker", "run_worker"]
+
+log = logging.getLogger("kvtier.workers")
+
+Ending = Literal["stopped", "scheduler_gone"]
+
+
+class Worker:
+    """One tensor-parallel rank's data plane, in that rank's process.
+
+    Open it with :meth:`open`, then await :meth:`serve` (or call
+    :func:`run_worker` from a thread without an event loop)::
+
+        worker = await Worker.open(address, layout, kv_caches)
+        how = await worker.serve()       # until the scheduler stops it or dies
+
+    Notes
+    -----
+    The rank is ``layout.tp_rank``; ``layout`` is this rank's own layout
+    (``tp_size`` = the world size). The KV tensors must not be freed while the
+    worker serves: jobs copy into and out of them.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        sock: zmq.asyncio.Socket,
+        rank: int,
+        region: CPURegion,
+        transfer: DeviceTransfer,
+        scheduler_pid: int,
+    ) -> None:
+        """Use :meth:`open`."""
+        self._ctx = ctx
+        self._sock = sock
+        self._rank = rank
+        self._region = region
+        self._xfer = transfer
+        self._scheduler_pid = scheduler_pid
+        self._task: asyncio.Task[None] | None = None
+        self._ending: Ending = "stopped"
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        """This worker's tensor-parallel rank."""
+        return self._rank
+
+    @classmethod
+    async def open(
+        cls,
+        address: str,
+        layout: KVLayout,
+        kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+        *,
+        backend: Literal["auto", "cpu", "cuda"] = "auto",
+        timeout: float = 60.0,  # noqa: ASYNC109 - a deadline on the answer, not the call
+        wrap_transfer: Callable[[DeviceTransfer], DeviceTransfer] | None = None,
+    ) -> Worker:
+        """Register with the scheduler at ``address`` and attach the shared region.
+
+        Parameters
+        ----------
+        address
+            :attr:`WorkerGroup.address` of the scheduler.
+        layout
+            This rank's layout (``tp_rank``, ``tp_size`` = world size).
+        kv_caches
+            This rank's KV tensors, in the layout's order.
+        backend
+            Device copier, as for :meth:`kvtier.Engine.open`.
+        timeout
+            Seconds to wait for the scheduler's answer.
+        wrap_transfer
+            Called with the copier; the worker uses what it returns (tests).
+
+        Raises
+        ------
+        LayoutError
+            The scheduler holds another layout (the message names the fields).
+        InvalidArgumentError
+            The rank is outside the scheduler's world size.
+        BusyError
+            Another live worker holds this rank.
+        SharedRegionError
+            The shared region cannot be attached (another instance's, gone).
+        WorkerError
+            No answer from the scheduler within ``timeout``.
+        """
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        region: CPURegion | None = None
+        transfer: DeviceTransfer | None = None
+        rank = layout.tp_rank
+        try:
+            sock.connect(address)
+            hello = Hello(
+                rank, os.getpid(), layout.namespace.hex(), layout.describe(include_rank=True)
+            )
+            await sock.send_multipart(hello.encode())
+            try:
+                frames = await asyncio.wait_for(sock.recv_multipart(), timeout)
+            except TimeoutError:
+                raise WorkerError(
+                    f"rank {rank}: no answer from the scheduler at {address} within {timeout} s",
+                    rank,
+                ) from None
+            msg = decode(frames)
+            if isinstance(msg, Notice) and msg.op == "refused":
+                raise error_from(msg.error, msg.message, rank)
+            if not isinstance(msg, Welcome):
+                raise WorkerError(f"rank {rank}: the scheduler answered {msg!r}", rank)
+            try:
+                region = await asyncio.to_thread(
+                    CPURegion.create,
+                    layout,
+                    msg.cpu_bytes_to_use,
+                    world_size=msg.world_size,
+                    rank=rank,
+                    shared_name=msg.shared_name,
+                    instance=bytes.fromhex(msg.instance),
+                    alignment=msg.alignment,
+                )
+                transfer = open_device_transfer(
+                    layout, kv_caches, region.tensor_views(), backend=backend
+                )
+                if wrap_transfer is not None:
+                    transfer = wrap_transfer(transfer)
+            except KVTierError as exc:
+                await sock.send_multipart(Notice("failed", type(exc).__name__, str(exc)).encode())
+                raise
+            await sock.send_multipart(Notice("attached").encode())
+            return cls(ctx, sock, rank, region, transfer, msg.scheduler_pid)
+        except BaseException:
+            if transfer is not None:
+                await transfer.aclose()
+            if region is not None:
+                region.close()
+            sock.close(linger=0)
+            ctx.term()
+            raise
+
+    async def serve(self) -> Ending:
+        """Run jobs until the scheduler says stop, or exits.
+
+        Returns
+        -------
+        str
+            ``"stopped"`` when the scheduler closed the group, ``"scheduler_gone"``
+            when its process exited. Either way the copies in flight have
+            finished and the region is detached.
+        """
+        loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        pidfd: int | None = None
+        try:
+            pidfd = os.pidfd_open(self._scheduler_pid)
+        except ProcessLookupError:
+            self._ending = "scheduler_gone"
+        else:
+            loop.add_reader(pidfd, self._scheduler_exited)
+        try:
+            if self._ending != "scheduler_gone":
+                await self._serve()
+        except asyncio.CancelledError:
+            if self._ending != "scheduler_gone":
+                raise
+            log.warning("rank %d: the scheduler exited; detaching", self._rank)
+        finally:
+            if pidfd is not None:
+                loop.remove_reader(pidfd)
+                os.close(pidfd)
+            await self._shutdown(say_bye=self._ending == "stopped")
+        return self._ending
+
+    def _scheduler_exited(self) -> None:
+        self._ending = "scheduler_gone"
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _serve(self) -> None:
+        while True:
+            msg = decode(await self._sock.recv_multipart(copy=True))
+            if isinstance(msg, JobSpec):
+                self._run(msg)
+            elif isinstance(msg, Notice) and msg.op == "stop":
+                return
+
+    def _run(self, spec: JobSpec) -> None:
+        try:
+            if spec.kind == "store":
+                comp = self._xfer.store(spec.ids, spec.rows)
+            else:
+                comp = self._xfer.load(spec.rows, spec.ids, spec.skip)
+        except Exception as exc:  # reported to the scheduler, typed by name
+            self._reply(JobDone(spec.job, type(exc).__name__, str(exc)))
+            return
+
+        def finished(c: Completion[None]) -> None:
+            exc = c.exception()
+            if exc is None:
+                self._reply(JobDone(spec.job))
+            else:
+                self._reply(JobDone(spec.job, type(exc).__name__, str(exc)))
+
+        comp.add_done_callback(finished)
+
+    def _reply(self, done: JobDone) -> None:
+        if not self._closed:
+            # Never blocks (no high-water mark); the future is done at once.
+            self._sock.send_multipart(done.encode(), flags=zmq.NOBLOCK)
+
+    async def _shutdown(self, say_bye: bool) -> None:
+        if self._closed:
+            return
+        try:
+            await self._xfer.aclose()  # every copy is done before the rows go
+        finally:
+            self._region.close()
+            if say_bye:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.send_multipart(Notice("bye").encode(), flags=zmq.NOBLOCK)
+            self._closed = True
+            # A moment for the goodbye to leave before the socket goes.
+            self._sock.close(linger=1000 if say_bye else 0)
+            self._ctx.term()
+
+    async def aclose(self) -> None:
+        """Stop without being told (the scheduler then sees this worker exit); idempotent."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._shutdown(say_bye=False)
+
+
+def run_worker(
+    address: str,
+    layout: KVLayout,
+    kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+    *,
+    backend: Literal["auto", "cpu", "cuda"] = "auto",
+    timeout: float = 60.0,
+) -> Ending:
+    """Open a :class:`Worker` and serve until stopped: blocking, with its own event loop.
+
+    For a worker process whose main thread runs the model: call it from a
+    thread of its own. Raises what :meth:`Worker.open` raises.
+    """
+
+    async def main() -> Ending:
+        worker = await Worker.open(address, layout, kv_caches, backend=backend, timeout=timeout)
+        return await worker.serve()
+
+    return asyncio.run(main())

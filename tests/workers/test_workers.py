@@ -1,0 +1,258 @@
+"""Scheduler and workers in separate processes: real spawned workers, CPU tensors per rank."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from kvtier import (
+    BusyError,
+    InvalidArgumentError,
+    KVLayout,
+    KVTierConfig,
+    LayoutError,
+    SharedRegionError,
+    TransferError,
+    WorkerLostError,
+    chain_keys,
+)
+from kvtier.engine import Engine
+from kvtier.region import CPURegion
+from kvtier.workers import Worker, WorkerGroup
+from kvtier.workers.jobs import Hello, Notice, decode
+
+SCRIPT = Path(__file__).with_name("_worker.py")
+NUM_BLOCKS = 16
+
+
+def make_kv(rank: int) -> list[torch.Tensor]:
+    """As ``_worker.make_kv``: blocks 0-7 seeded by the rank, 8-15 zero."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    kv = torch.zeros(2, NUM_BLOCKS, 4, 64, dtype=torch.uint8)
+    kv[:, :8] = torch.randint(0, 256, (2, 8, 4, 64), dtype=torch.uint8, generator=g)
+    return [kv]
+
+
+def layout_of(kv: list[torch.Tensor], rank: int, world: int, model: str = "m") -> KVLayout:
+    return KVLayout.from_tensors(
+        kv, model_id=model, block_tokens=4, num_blocks=NUM_BLOCKS, tp_rank=rank, tp_size=world
+    )
+
+
+def shm_files(group: WorkerGroup) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if group.instance.hex() in n]
+
+
+class Procs:
+    """Worker processes of one test; every one still running at the end is killed."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def spawn(
+        self, address: str, rank: int, world: int, mode: str = "serve"
+    ) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT), address, str(rank), str(world), mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    async def line(proc: subprocess.Popen[str]) -> dict[str, Any]:
+        assert proc.stdout is not None
+        text = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
+        if not text:
+            assert proc.stderr is not None
+            raise AssertionError(f"worker said nothing; stderr:\n{proc.stderr.read()}")
+        out: dict[str, Any] = json.loads(text)
+        return out
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    group = Procs()
+    yield group
+    group.kill_all()
+
+
+def config(world: int) -> KVTierConfig:
+    return KVTierConfig(cpu_bytes_to_use=1 << 20, world_size=world)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], ids=lambda w: f"world{w}")
+async def test_every_rank_loads_back_its_own_bytes(procs: Procs, world: int) -> None:
+    group = WorkerGroup.bind(world)
+    workers = [procs.spawn(group.address, r, world) for r in range(world)]
+    engine = await Engine.open(
+        config(world), layout_of(make_kv(0), 0, world), workers=group, worker_timeout=60
+    )
+    try:
+        assert [(await Procs.line(p))["attached"] for p in workers] == [True] * world
+        assert shm_files(group) == []  # every party attached: the name is gone
+        keys = chain_keys(list(range(32)), engine.block_tokens, engine.namespace)[:4]
+        summary = await engine.store(keys, [0, 1, 2, 3])
+        assert summary.stored == 4
+        assert engine.lookup(keys) == 4
+        assert await engine.load(keys, [8, 9, 10, 11]) == 4
+        for p in workers:
+            assert p.stdin is not None
+            p.stdin.write("check 0 8 4\n")
+            p.stdin.flush()
+        assert [(await Procs.line(p))["same"] for p in workers] == [True] * world
+        stats = engine.statistics()
+        assert stats.cpu_traffic.bytes_in == 4 * world * engine.layout.bytes_per_chunk
+    finally:
+        await engine.aclose()
+    assert [(await Procs.line(p))["ending"] for p in workers] == ["stopped"] * world
+    assert [p.wait(timeout=20) for p in workers] == [0] * world
+    assert shm_files(group) == []
+    assert not Path(group.address.removeprefix("ipc://")).parent.exists()
+
+
+async def test_a_worker_killed_in_a_job_fails_it_and_breaks_the_group(procs: Procs) -> None:
+    world = 2
+    group = WorkerGroup.bind(world)
+    workers = [procs.spawn(group.address, 0, world), procs.spawn(group.address, 1, world, "slow")]
+    engine = await Engine.open(
+        config(world), layout_of(make_kv(0), 0, world), workers=group, worker_timeout=60
+    )
+    try:
+        for p in workers:
+            await Procs.line(p)
+        keys = chain_keys(list(range(32)), engine.block_tokens, engine.namespace)[:4]
+        store = asyncio.ensure_future(engine.store(keys, [0, 1, 2, 3]))
+        await asyncio.sleep(0.3)  # rank 0 has reported; rank 1 sits on its report
+        assert not store.done()
+        os.kill(workers[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerLostError) as info:
+            await asyncio.wait_for(store, 5)
+        assert time.monotonic() - t0 < 2
+        assert info.value.rank == 1
+        assert engine.lookup(keys) == 0  # nothing half-copied is served
+        with pytest.raises(TransferError, match="broken"):
+            await engine.store(keys, [0, 1, 2, 3])
+    finally:
+        await engine.aclose()
+    assert (await Procs.line(workers[0]))["ending"] == "stopped"
+    assert shm_files(group) == []
+
+
+# -- bad input: workers in this process (fast), real sockets and a real shared region ----
+
+
+@pytest.fixture
+async def split() -> AsyncIterator[tuple[Engine, WorkerGroup, list[asyncio.Task[str]]]]:
+    """A world-size-2 instance whose workers run as tasks of this event loop."""
+    group = WorkerGroup.bind(2)
+    kvs = [make_kv(r) for r in range(2)]
+
+    async def serve(r: int) -> str:
+        worker = await Worker.open(group.address, layout_of(kvs[r], r, 2), kvs[r])
+        return await worker.serve()
+
+    tasks = [asyncio.create_task(serve(r)) for r in range(2)]
+    engine = await Engine.open(config(2), layout_of(kvs[0], 0, 2), workers=group)
+    keys = chain_keys(list(range(32)), engine.block_tokens, engine.namespace)[:2]
+    await engine.store(keys, [0, 1])
+    yield engine, group, tasks
+    # Nothing stored was lost to the bad input.
+    assert await engine.load(keys, [8, 9]) == 2
+    assert all(torch.equal(kvs[r][0][:, 8:10], kvs[r][0][:, 0:2]) for r in range(2))
+    await engine.aclose()
+    assert await asyncio.gather(*tasks) == ["stopped", "stopped"]
+
+
+Split = tuple[Engine, WorkerGroup, list["asyncio.Task[str]"]]
+
+
+async def test_a_worker_with_another_layout_is_refused(split: Split) -> None:
+    _, group, _ = split
+    kv = [torch.zeros(2, NUM_BLOCKS, 4, 64, dtype=torch.float16)]
+    with pytest.raises(LayoutError, match="tensors"):
+        await Worker.open(group.address, layout_of(kv, 1, 2), kv, timeout=10)
+
+
+async def test_a_second_worker_for_a_rank_is_refused(split: Split) -> None:
+    _, group, _ = split
+    kv = make_kv(1)
+    with pytest.raises(BusyError, match="rank 1 is already held"):
+        await Worker.open(group.address, layout_of(kv, 1, 2), kv, timeout=10)
+
+
+async def test_a_rank_outside_the_world_is_refused(split: Split) -> None:
+    engine, group, _ = split
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(group.address)
+        desc = engine.layout.describe(include_rank=True)
+        await sock.send_multipart(Hello(7, os.getpid(), engine.namespace.hex(), desc).encode())
+        answer = decode(await asyncio.wait_for(sock.recv_multipart(), 10))
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    assert answer == Notice("refused", "InvalidArgumentError", "rank 7 is outside [0, 2)")
+
+
+async def test_another_instance_cannot_join_the_region() -> None:
+    group = WorkerGroup.bind(2)
+    kvs = [make_kv(r) for r in range(2)]
+    layout = layout_of(kvs[0], 0, 2)
+    opening = asyncio.ensure_future(Engine.open(config(2), layout, workers=group))
+    name = f"i{group.instance.hex()}"
+    while not shm_files(group):  # noqa: ASYNC110 - the region file appears from a thread
+        await asyncio.sleep(0.01)
+    # The name is live until every rank attached: a rank of another instance
+    # (another token), or a second scheduler, is refused.
+    with pytest.raises(SharedRegionError, match="instance"):
+        CPURegion.create(layout, 1 << 20, world_size=2, rank=1, shared_name=name, pin="off")
+    with pytest.raises(SharedRegionError, match="in use by another instance"):
+        CPURegion.create(layout, 1 << 20, world_size=2, rank=None, shared_name=name, pin="off")
+    workers = [
+        asyncio.ensure_future(
+            (await Worker.open(group.address, layout_of(kvs[r], r, 2), kvs[r])).serve()
+        )
+        for r in range(2)
+    ]
+    engine = await opening
+    keys = chain_keys(list(range(8)), engine.block_tokens, engine.namespace)[:1]
+    assert (await engine.store(keys, [0])).stored == 1
+    await engine.aclose()
+    assert await asyncio.gather(*workers) == ["stopped", "stopped"]
+    assert shm_files(group) == []
+
+
+async def test_engine_open_checks_the_split() -> None:
+    kv = make_kv(0)
+    group = WorkerGroup.bind(2)
+    with pytest.raises(InvalidArgumentError, match="no kv_caches"):
+        await Engine.open(config(2), layout_of(kv, 0, 2), kv, workers=group)
+    assert not Path(group.address.removeprefix("ipc://")).parent.exists()
