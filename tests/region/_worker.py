@@ -56,7 +56,7 @@ def main() -> None:
         print(json.dumps(report), flush=True)
         time.sleep(3600)
     for row in rows:
-        row[region.rank * width : (region.rank + 1) * width] = region.rank + 1
+        row[int(rank) * width : (int(rank) + 1) * width] = int(rank) + 1
     deadline = time.monotonic() + 10
     seen = False
     while time.monotonic() < deadline and not seen:
