@@ -25,7 +25,7 @@ import errno as _errno
 import logging
 import mmap
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,41 +48,13 @@ from kvtier.tiers._format import (
 from kvtier.tiers._quarantine import Quarantine
 from kvtier.tiers._slots import SlotFile
 from kvtier.tiers._worker import Worker
+from kvtier.tiers.base import LoadResult, StoreResult
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine
 
 __all__ = ["LoadResult", "Pipeline", "StoreResult"]
 
 log = logging.getLogger("kvtier.file_tier")
-
-
-@dataclass(frozen=True, slots=True)
-class StoreResult:
-    """Outcome of one :meth:`FileTier.store`, per key."""
-
-    stored: tuple[bytes, ...]
-    """Keys written and now ready."""
-    skipped: tuple[bytes, ...]
-    """Keys already present (ready or being written): nothing was written."""
-    failed: Mapping[bytes, KVTierError]
-    """Keys not stored, with why (:class:`~kvtier.errors.TierIOError` with errno and
-    path, or :class:`~kvtier.errors.CapacityError`); their slots were freed."""
-    evicted: tuple[bytes, ...] = ()
-    """Keys evicted to make room (their slots now hold the new blocks)."""
-
-
-@dataclass(frozen=True, slots=True)
-class LoadResult:
-    """Outcome of one :meth:`FileTier.load`, per key."""
-
-    loaded: tuple[bytes, ...]
-    """Keys whose bytes are now in their buffers, verified."""
-    missing: Mapping[bytes, KVTierError]
-    """Keys whose buffers hold no valid data, with why:
-    :class:`~kvtier.errors.BlockNotFoundError` (not resident),
-    :class:`~kvtier.errors.IntegrityError` or
-    :class:`~kvtier.errors.NamespaceMismatchError` (block quarantined), or
-    :class:`~kvtier.errors.TierIOError` (errno and path)."""
 
 
 @dataclass(slots=True)

@@ -29,13 +29,43 @@ tier (:class:`~kvtier.errors.ClosedError`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from kvtier.tiers._pipeline import LoadResult, StoreResult
+from kvtier.errors import KVTierError
 from kvtier.transfer.completion import Completion
 
 __all__ = ["LoadResult", "StoreResult", "Tier", "TierStatistics"]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    """Outcome of one :meth:`Tier.store`, per key."""
+
+    stored: tuple[bytes, ...]
+    """Keys written and now ready."""
+    skipped: tuple[bytes, ...]
+    """Keys already present (ready or being written): nothing was written."""
+    failed: Mapping[bytes, KVTierError]
+    """Keys not stored, with why (:class:`~kvtier.errors.TierIOError` with errno and
+    path, or :class:`~kvtier.errors.CapacityError`); their slots were freed."""
+    evicted: tuple[bytes, ...] = ()
+    """Keys evicted to make room (their slots now hold the new blocks)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """Outcome of one :meth:`Tier.load`, per key."""
+
+    loaded: tuple[bytes, ...]
+    """Keys whose bytes are now in their buffers, verified."""
+    missing: Mapping[bytes, KVTierError]
+    """Keys whose buffers hold no valid data, with why:
+    :class:`~kvtier.errors.BlockNotFoundError` (not resident),
+    :class:`~kvtier.errors.IntegrityError` or
+    :class:`~kvtier.errors.NamespaceMismatchError` (block quarantined), or
+    :class:`~kvtier.errors.TierIOError` (errno and path)."""
 
 
 @runtime_checkable

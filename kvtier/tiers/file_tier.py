@@ -67,12 +67,13 @@ from kvtier.manager import ManagerEvent, ResidencyManager
 from kvtier.tiers._description import LAYOUT_KIND, TIER_FORMAT_VERSION
 from kvtier.tiers._format import HEADER_BYTES
 from kvtier.tiers._namespace import Prepared, prepare, undo_under_root_lock
-from kvtier.tiers._pipeline import LoadResult, Pipeline, StoreResult
+from kvtier.tiers._pipeline import Pipeline
 from kvtier.tiers._quarantine import Quarantine
 from kvtier.tiers._recovery import Recovery
 from kvtier.tiers._root import data_cost, lock_root, metadata_estimate
 from kvtier.tiers._slots import SlotFile
 from kvtier.tiers._worker import Worker
+from kvtier.tiers.base import LoadResult, StoreResult, Tier
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine, open_io_engine
 
@@ -147,7 +148,7 @@ class FileTierStatistics:
     """Slots found at open with an invalid header (an interrupted write), zeroed."""
 
 
-class FileTier:
+class FileTier(Tier):
     """Blocks in slots of one preallocated file under a root directory.
 
     Open with :meth:`open`; close with :meth:`aclose`. Every slot of a tier
