@@ -17,11 +17,23 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvtier.errors import ConfigurationError
 
 __all__ = [
+    "ClusterMode",
+    "ClusterTierConfig",
     "DirectIOMode",
     "EvictionPolicyName",
     "FileTierConfig",
@@ -144,8 +156,109 @@ class FileTierConfig(_Frozen):
     refuses stores, until the scan ends (for very large tiers)."""
 
 
+ClusterMode = Literal["cluster", "single"]
+
+_NODE = r"^[A-Za-z0-9_.\-\[\]:]{1,255}:[0-9]{1,5}$"
+
+
+class ClusterTierConfig(_Frozen):
+    """A tier on a Valkey/Redis cluster (or one server) shared by many instances.
+
+    In :class:`KVTierConfig` it is the lowest tier: below the file tier when
+    there is one (CPU -> file -> cluster), else directly below the CPU region
+    (CPU -> cluster).
+    """
+
+    nodes: tuple[Annotated[str, Field(pattern=_NODE)], ...] = Field(min_length=1)
+    """``"host:port"`` of the servers to start from: any nodes of a cluster (the
+    client learns the rest), or the one server with ``mode="single"``."""
+    mode: ClusterMode = "cluster"
+    """``cluster``: Redis Cluster protocol (slots, MOVED/ASK); ``single``: one
+    server, not in cluster mode."""
+    tenant_prefix: str = Field(default="kvtier", pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    """First part of every key: separates tenants sharing one cluster. Letters,
+    digits, ``_``, ``.``, ``-`` only (never ``{``, ``}`` or ``:``, which would
+    change slot hashing or the key layout)."""
+    username: str | None = Field(default=None, min_length=1, max_length=256)
+    """ACL user (``AUTH username password``); None for the default user."""
+    password: SecretStr | None = None
+    """Password of the user; never logged (masked in ``repr``)."""
+    tls: bool = False
+    """Connect with TLS."""
+    tls_ca_file: Path | None = None
+    """CA bundle that verifies the servers' certificates (system default if None)."""
+    tls_cert_file: Path | None = None
+    """Client certificate, for servers that require one (``tls-auth-clients``)."""
+    tls_key_file: Path | None = None
+    """Private key of ``tls_cert_file``."""
+    tls_check_hostname: bool = True
+    """Check that the certificate names the host connected to."""
+    timeout_s: float = Field(default=2.0, gt=0, le=600)
+    """Bound on one pipeline (send and replies) and on socket reads: a pipeline
+    that takes longer fails its blocks with ``ETIMEDOUT``."""
+    connect_timeout_s: float = Field(default=1.0, gt=0, le=600)
+    """Bound on opening one connection."""
+    max_inflight_bytes: Bytes = Field(default=ByteSize(8 << 20))
+    """Value bytes in one pipeline on one connection (at least one block goes):
+    pipelines above about 8 MiB per connection slowed SET by 2-4x here."""
+    pipelines_per_node: int = Field(default=2, ge=1, le=64)
+    """Pipelines in flight at once to one node, each on its own connection."""
+    backoff_initial_s: float = Field(default=0.05, gt=0, le=60)
+    """First wait before talking again to a node that failed."""
+    backoff_max_s: float = Field(default=2.0, gt=0, le=600)
+    """Longest wait between tries (the wait doubles per failure up to it)."""
+    presence_capacity: int = Field(default=1 << 20, ge=1, le=1 << 30)
+    """Keys remembered as present by this instance (least recently used dropped
+    first): what :meth:`~kvtier.tiers.cluster.ClusterTier.lookup` answers from."""
+    write_policy: WritePolicy = "write_through"
+    """In an engine: ``write_through``: every stored block is also written to
+    the cluster in the background; ``write_back``: a block goes to the cluster
+    only when the CPU tier evicts it (and at a clean close)."""
+    promote_to_file: bool | None = None
+    """In an engine with a file tier: a block loaded from the cluster is also
+    given to the file tier (written at once under the file tier's
+    ``write_through``, at CPU eviction under its ``write_back``), so that the
+    next load on this machine reads it locally. ``None``: yes when there is a
+    file tier; ``True`` without a file tier is an error."""
+
+    @field_validator("tls_ca_file", "tls_cert_file", "tls_key_file")
+    @classmethod
+    def _readable(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError(f"{value} is not a readable file")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClusterTierConfig:
+        if self.mode == "single" and len(self.nodes) != 1:
+            raise ValueError('mode="single" takes exactly one node')
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if not self.tls and any(
+            f is not None for f in (self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
+        ):
+            raise ValueError("TLS files are given but tls is false")
+        if self.username is not None and self.password is None:
+            raise ValueError("username needs a password")
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError("backoff_max_s is below backoff_initial_s")
+        return self
+
+    def addresses(self) -> list[tuple[str, int]]:
+        """``(host, port)`` of every node in :attr:`nodes`."""
+        out = []
+        for node in self.nodes:
+            host, _, port = node.rpartition(":")
+            out.append((host.strip("[]"), int(port)))
+        return out
+
+
 class KVTierConfig(_Frozen):
-    """An engine instance: CPU region budget, offload granularity and the file tier."""
+    """An engine instance: CPU region budget, offload granularity and the tiers below.
+
+    The tiers below the CPU region form one chain, highest first: the file
+    tier, then the cluster tier; either may be absent.
+    """
 
     cpu_bytes_to_use: Bytes
     """Budget of the CPU region in bytes, instance-wide (all workers together);
@@ -155,12 +268,37 @@ class KVTierConfig(_Frozen):
     eviction_policy: EvictionPolicyName = "lru"
     """Which blocks leave the CPU region first when it is full."""
     file_tier: FileTierConfig | None = None
-    """The filesystem tier, or ``None`` for a CPU-only cache."""
+    """The filesystem tier, directly below the CPU region, or ``None``."""
+    cluster_tier: ClusterTierConfig | None = None
+    """The tier on a Valkey/Redis cluster shared by many instances, the lowest
+    of the chain (below the file tier, or directly below the CPU region
+    without one), or ``None``. Needs ``pip install kvtier[cluster]``."""
     shared_region_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     """Name of a CPU region in /dev/shm shared by several worker processes;
     ``None`` maps a private anonymous region."""
     world_size: int = Field(default=1, ge=1, le=1024)
     """Worker processes sharing each row (tensor-parallel size)."""
+
+    @model_validator(mode="after")
+    def _chain(self) -> KVTierConfig:
+        if (
+            self.cluster_tier is not None
+            and self.cluster_tier.promote_to_file
+            and self.file_tier is None
+        ):
+            where, what = "cluster_tier.promote_to_file", "is true but there is no file_tier"
+            raise ConfigurationError(f"{where} {what}", ((where, what),))
+        return self
+
+    @property
+    def chain(self) -> tuple[tuple[str, FileTierConfig | ClusterTierConfig], ...]:
+        """The tiers below the CPU region, highest first, by name (``file``, ``cluster``)."""
+        tiers: list[tuple[str, FileTierConfig | ClusterTierConfig]] = []
+        if self.file_tier is not None:
+            tiers.append(("file", self.file_tier))
+        if self.cluster_tier is not None:
+            tiers.append(("cluster", self.cluster_tier))
+        return tuple(tiers)
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> Self:

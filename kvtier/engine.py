@@ -1,12 +1,13 @@
 """The engine: what a serving loop embeds.
 
 It wires the scheduler-side managers (one per tier: which key lives where, which
-copy is ready, which is pinned) to the data plane (device copies, io_uring file
-I/O). Decisions are made synchronously, before the first ``await`` of a call, so
-a ``lookup`` followed at once by a ``load`` cannot lose a block in between; the
-bytes move afterwards, and every state change that depends on the hardware
-happens in a completion callback, never after an ``await`` that a cancelled task
-would skip.
+copy is ready, which is pinned) to the data plane (device copies, and the chain
+of tiers below the CPU region: the file tier, the cluster tier, each driven
+through the one :class:`~kvtier.tiers.base.Tier` contract). Decisions are made
+synchronously, before the first ``await`` of a call, so a ``lookup`` followed
+at once by a ``load`` cannot lose a block in between; the bytes move afterwards,
+and every state change that depends on the hardware happens in a completion
+callback, never after an ``await`` that a cancelled task would skip.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Literal, Self
 
 import numpy as np
 
-from kvtier.config import KVTierConfig
+from kvtier.config import ClusterTierConfig, FileTierConfig, KVTierConfig
 from kvtier.errors import (
     BlockNotFoundError,
     ClosedError,
@@ -36,7 +38,9 @@ from kvtier.keys import check_keys
 from kvtier.layout import KVLayout
 from kvtier.manager import ManagerStatistics, ResidencyManager, StorePlan
 from kvtier.region import CPURegion
-from kvtier.tiers.file_tier import FileTier, FileTierStatistics, LoadResult, StoreResult
+from kvtier.tiers.base import LoadResult, Refreshable, StoreResult, Tier
+from kvtier.tiers.cluster import ClusterTier, ClusterTierStatistics
+from kvtier.tiers.file_tier import FileTier, FileTierStatistics
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.device import DeviceTransfer, check_block_ids, open_device_transfer
 from kvtier.transfer.io_engine import IOEngine
@@ -74,15 +78,17 @@ class TierCounters:
     """What requests got from one tier, and what moved through it, as the engine saw it.
 
     The CPU tier's traffic is device <-> CPU rows (``in``: stores, ``out``:
-    loads); the file tier's is CPU rows <-> file (``in``: write-through and
-    write-back, ``out``: promotions into CPU rows).
+    loads); a lower tier's (file, cluster) is CPU rows <-> that tier (``in``:
+    write-through, write-back and promotions from a tier below, ``out``:
+    promotions into CPU rows).
     """
 
     lookup_hits: int
     """Keys that :meth:`Engine.lookup` counted in the loadable prefix and
     attributed to this tier: the CPU tier when the block is ready there or its
-    store or promotion is in flight, else the file tier. Over all tiers they
-    add up to ``lookups - lookup_misses``."""
+    store or promotion is in flight, else the first tier of the chain (file,
+    then cluster) that has it ready. Over all tiers they add up to
+    ``lookups - lookup_misses``."""
     blocks_in: int
     """Blocks written into this tier (completed copies only)."""
     blocks_out: int
@@ -117,7 +123,8 @@ class EngineStatistics:
     ready, being written, pinned and evictable, evictions. Its ``hits`` and
     ``misses`` are the residency manager's own (keys ready in the CPU tier from
     the first key of a lookup on); what requests got from each tier is
-    ``cpu_traffic.lookup_hits`` and ``file_traffic.lookup_hits``."""
+    ``cpu_traffic.lookup_hits``, ``file_traffic.lookup_hits`` and
+    ``cluster_traffic.lookup_hits``."""
     cpu_traffic: TierCounters
     """Lookup hits of the CPU tier, and device <-> CPU traffic."""
     file: FileTierStatistics | None
@@ -126,6 +133,13 @@ class EngineStatistics:
     file_traffic: TierCounters | None
     """Lookup hits of the file tier, and CPU <-> file traffic as the engine drove
     it, or None without a file tier."""
+    cluster: ClusterTierStatistics | None
+    """The cluster tier's own statistics, of this instance (presence set,
+    verified reads, vanished blocks, verification failures, round trips,
+    faults), or None without a cluster tier."""
+    cluster_traffic: TierCounters | None
+    """Lookup hits of the cluster tier, and CPU <-> cluster traffic as the
+    engine drove it, or None without a cluster tier."""
     lookups: int
     """Keys passed to :meth:`Engine.lookup`."""
     lookup_misses: int
@@ -137,15 +151,18 @@ class EngineStatistics:
     dropped: int
     """Blocks a store could not place (no evictable row)."""
     promotions: int
-    """Blocks read from the file tier into the CPU region."""
+    """Blocks read from a lower tier (file or cluster) into the CPU region."""
     load_shortfalls: int
-    """Blocks a load had promised but could not deliver (I/O or integrity failure)."""
+    """Blocks a load had promised but could not deliver (I/O or integrity
+    failure, a block vanished from a shared tier, a node down)."""
     write_through_failures: int
-    """Blocks whose write to the file tier failed or was skipped (counted, logged)."""
+    """Block writes to a lower tier that failed or were skipped (one per block
+    and tier; counted, logged)."""
     write_backs: int
-    """CPU victims written to the file tier on eviction (write-back policy)."""
+    """CPU victims handed to a write-back tier on eviction or at close, one per
+    block and tier (those the tier already held are not written again)."""
     abandoned_at_close: int
-    """Blocks :meth:`Engine.aclose` did not write to the file tier because its
+    """Blocks :meth:`Engine.aclose` did not write to the lower tiers because its
     timeout passed first (write-through or write-back still to start; logged)."""
     in_flight: int
     """Jobs running now."""
@@ -194,6 +211,22 @@ class _Counter:
             self.seconds_in,
             self.seconds_out,
         )
+
+
+@dataclass(slots=True, eq=False)
+class _Link:
+    """One tier of the chain below the CPU region, and how the engine drives it."""
+
+    name: str
+    """``file`` or ``cluster``: the name of its statistics."""
+    tier: Tier
+    write_back: bool
+    """Written when the CPU tier evicts a block (and at close), not at store."""
+    promote_up: bool
+    """Blocks promoted from this tier are also given to the tiers above it."""
+    traffic: _Counter = field(default_factory=_Counter)
+    dirty: set[bytes] = field(default_factory=set)
+    """Write-back: ready CPU blocks this tier has not been given yet."""
 
 
 @dataclass(slots=True, eq=False)
@@ -246,33 +279,42 @@ class Engine:
         layout: KVLayout,
         region: CPURegion,
         transfer: DeviceTransfer,
-        file_tier: FileTier | None,
+        tiers: Sequence[Tier],
     ) -> None:
-        """Assemble opened parts; use :meth:`open` instead."""
+        """Assemble opened parts; use :meth:`open` instead.
+
+        ``tiers`` are the opened tiers of ``config.chain``, in its order.
+        """
         self._config = config
         self._layout = layout
         self._region = region
         self._xfer = transfer
-        self._file = file_tier
         self._cpu = ResidencyManager(region.rows, config.eviction_policy, tier="cpu")
-        self._write_back = (
-            config.file_tier is not None and config.file_tier.write_policy == "write_back"
+        specs = config.chain
+        if len(specs) != len(tiers):  # pragma: no cover - open builds one from the other
+            raise ProtocolError(f"{len(tiers)} tiers opened for a chain of {len(specs)}")
+        self._chain: tuple[_Link, ...] = tuple(
+            _Link(
+                name,
+                tier,
+                write_back=spec.write_policy == "write_back",
+                promote_up=i > 0 and _promotes_up(spec),
+            )
+            for i, ((name, spec), tier) in enumerate(zip(specs, tiers, strict=True))
         )
+        self._write_back = tuple(link for link in self._chain if link.write_back)
         self._bpc = layout.blocks_per_chunk
         # Every rank's slice of a row moves with each block (one slice in one process).
         self._row_bytes = layout.bytes_per_chunk * region.world_size
         self._inflight: dict[bytes, _Job] = {}
         self._pending: set[Completion[None]] = set()
-        self._file_writes: set[Completion[None]] = set()
-        # Write-back: CPU blocks whose only copy is their row (written at eviction
-        # or at aclose).
-        self._dirty: set[bytes] = set()
+        self._writes: set[Completion[None]] = set()
+        """Writes to lower tiers in flight."""
         self._closed = False
         self._abandoning = False
-        """Set once aclose's timeout has passed: no more writes to the file tier."""
+        """Set once aclose's timeout has passed: no more writes to lower tiers."""
         self._close_task: asyncio.Task[None] | None = None
         self._t_cpu = _Counter()
-        self._t_file = _Counter()
         self._n = {
             "lookups": 0,
             "lookup_misses": 0,
@@ -301,7 +343,7 @@ class Engine:
         io_engine: IOEngine | None = None,
         wrap_transfer: Callable[[DeviceTransfer], DeviceTransfer] | None = None,
     ) -> Engine:
-        """Map the CPU region, open the file tier and the device copier (or the workers).
+        """Map the CPU region, open the tiers below it and the device copier (or the workers).
 
         Parameters
         ----------
@@ -328,6 +370,8 @@ class Engine:
         io_engine
             An I/O engine for the file tier to share (the engine does not close
             it); by default the file tier opens its own from the configuration.
+            The tiers of ``config.chain`` open in order, and those opened
+            before a failure are closed again.
         wrap_transfer
             Called with the device copier; the engine uses what it returns.
             For instrumentation and fault injection
@@ -338,7 +382,8 @@ class Engine:
         ConfigurationError
             When ``config`` and ``layout`` disagree (``blocks_per_chunk``), or
             ``config.world_size`` is not 1 without ``workers`` (not the
-            group's and the layout's world size with them).
+            group's and the layout's world size with them), or with a cluster
+            tier but without the ``redis`` client (``kvtier[cluster]``).
         LayoutError
             For a layout with ``tp_size > 1`` without ``workers``: one engine
             per tensor-parallel rank would share the file tier's namespace.
@@ -349,7 +394,8 @@ class Engine:
         CapacityError
             When the CPU budget is below one row.
         TierIOError, DirectIOUnsupportedError
-            When the file tier's root cannot be used.
+            When the file tier's root cannot be used, or no node of the
+            cluster tier answers (or it refuses the credentials).
 
         Notes
         -----
@@ -387,21 +433,13 @@ class Engine:
             )
             if wrap_transfer is not None:
                 transfer = wrap_transfer(transfer)
-            file_tier = None
-            if config.file_tier is not None:
-                file_tier = await FileTier.open(
-                    config.file_tier,
-                    layout,
-                    block_bytes=region.row_stride,
-                    alignment=min(region.alignment, _FILE_ALIGNMENT),
-                    io_engine=io_engine,
-                )
+            tiers = await _open_chain(config, layout, region, io_engine)
         except BaseException:
             if transfer is not None:
                 await transfer.aclose()
             region.close()
             raise
-        return cls(config, layout, region, transfer, file_tier)
+        return cls(config, layout, region, transfer, tiers)
 
     @classmethod
     async def _open_split(
@@ -453,20 +491,12 @@ class Engine:
             await workers.start(layout, region, budget, float(worker_timeout))
             if wrap_transfer is not None:
                 transfer = wrap_transfer(transfer)
-            file_tier = None
-            if config.file_tier is not None:
-                file_tier = await FileTier.open(
-                    config.file_tier,
-                    layout,
-                    block_bytes=region.row_stride,
-                    alignment=min(region.alignment, _FILE_ALIGNMENT),
-                    io_engine=io_engine,
-                )
+            tiers = await _open_chain(config, layout, region, io_engine)
         except BaseException:
             await transfer.aclose()
             region.close()
             raise
-        return cls(config, layout, region, transfer, file_tier)
+        return cls(config, layout, region, transfer, tiers)
 
     async def __aenter__(self) -> Self:
         return self
@@ -481,12 +511,13 @@ class Engine:
         Parameters
         ----------
         timeout
-            Seconds to wait for stores, loads and file writes in flight, and
-            for the write-through and write-back they lead to. Past it, blocks
-            not yet handed to the file tier are abandoned: each is counted in
-            ``EngineStatistics.abandoned_at_close`` and a warning names how
-            many. Writes already handed to the file tier, and copies handed to
-            hardware, are still waited for before memory is unmapped.
+            Seconds to wait for stores, loads and writes to lower tiers in
+            flight, and for the write-through and write-back they lead to.
+            Past it, blocks not yet handed to the lower tiers are abandoned:
+            each is counted in ``EngineStatistics.abandoned_at_close`` and a
+            warning names how many. Writes already handed to a tier, and
+            copies handed to hardware, are still waited for before memory is
+            unmapped.
 
         Raises
         ------
@@ -497,9 +528,9 @@ class Engine:
         -----
         New calls raise :class:`~kvtier.errors.ClosedError` from the start of
         the close, but what is already running goes on: a store whose copy
-        completes during the close is still written through. Under
-        ``write_back``, blocks whose only copy is their CPU row are written to
-        the file tier (within ``timeout``), so a clean close loses nothing.
+        completes during the close is still written through. Each
+        ``write_back`` tier is given the blocks whose only copy is their CPU
+        row (within ``timeout``), so a clean close loses nothing.
         Concurrent calls share one close; every caller returns when it is
         done.
         """
@@ -515,45 +546,49 @@ class Engine:
     async def _close(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         await self._settle_until(deadline)
-        dirty = [k for k in self._dirty if self._cpu.is_ready(k)]
-        if self._file is not None and dirty and time.monotonic() < deadline:
-            rows = [self._region.row(s) for s in self._cpu.prepare_load(dirty).slots]
-            self._n["write_backs"] += len(dirty)
-            self._dirty.difference_update(dirty)
-            self._file_store(dirty, rows, then=lambda: self._cpu.complete_load(dirty))
-            await self._settle_until(deadline)
-        # From here on nothing new goes to the file tier: what a copy still
+        for link in self._write_back:
+            dirty = [k for k in link.dirty if self._cpu.is_ready(k)]
+            link.dirty.clear()
+            if dirty and time.monotonic() < deadline:
+                rows = [self._region.row(s) for s in self._cpu.prepare_load(dirty).slots]
+                self._n["write_backs"] += len(dirty)
+                self._tier_store(link, dirty, rows, then=partial(self._cpu.complete_load, dirty))
+            else:
+                link.dirty.update(dirty)
+        await self._settle_until(deadline)
+        # From here on nothing new goes to a lower tier: what a copy still
         # running would write through, and what is still dirty, is abandoned.
         self._abandoning = True
-        if self._file is not None:
-            self._abandon([k for k in self._dirty if self._cpu.is_ready(k)])
-        self._dirty.clear()
-        late = [c for c in self._unfinished() if c not in self._file_writes]
+        left = {k for link in self._write_back for k in link.dirty if self._cpu.is_ready(k)}
+        self._abandon(list(left))
+        for link in self._write_back:
+            link.dirty.clear()
+        late = [c for c in self._unfinished() if c not in self._writes]
         if late:
             log.warning("aclose: %d jobs still running after %.1fs", len(late), seconds)
         try:
             # The copier and the ring wait for what they handed to hardware, so the
             # region is unmapped only after nothing can touch it any more.
             await self._xfer.aclose()
-            if self._file is not None:
-                await self._file.aclose()
+            for link in self._chain:
+                await _aclose_quietly(link)
         finally:
             self._region.close()
 
     def _abandon(self, keys: Sequence[bytes]) -> None:
-        """Count and report blocks that aclose will not write to the file tier."""
+        """Count and report blocks that aclose will not write to the lower tiers."""
         if keys:
             self._n["abandoned_at_close"] += len(keys)
             log.warning(
-                "aclose: %d blocks not written to the file tier (timeout reached); "
+                "aclose: %d blocks not written to the lower tiers (timeout reached); "
                 "they are lost with the CPU region",
                 len(keys),
             )
 
     def _unfinished(self) -> list[Completion[None]]:
-        """Every tracked completion not done yet (copies, promotions, file writes)."""
+        """Every tracked completion not done yet (copies, promotions, tier writes)."""
         jobs = {j.done for j in self._inflight.values()}
-        return [c for c in (*self._file_writes, *jobs, *self._pending) if not c.done()]
+        return [c for c in (*self._writes, *jobs, *self._pending) if not c.done()]
 
     async def _settle_until(self, deadline: float) -> bool:
         """Wait until nothing tracked is running, or ``deadline``; True when idle.
@@ -605,8 +640,12 @@ class Engine:
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Length of the longest prefix of ``keys`` loadable from some tier.
 
-        Never blocks and does no I/O. A block whose store or promotion is in
-        flight in this engine counts: a :meth:`load` of it waits for it.
+        Never blocks and does no I/O. The keys are looked for in the CPU
+        tier, then in each tier of the chain in order (file, cluster); a
+        block whose store or promotion is in flight in this engine counts: a
+        :meth:`load` of it waits for it. A shared tier answers from what this
+        instance knows (the cluster tier's presence set): :meth:`refresh`
+        asks it first.
 
         Raises
         ------
@@ -617,22 +656,74 @@ class Engine:
         """
         self._check_open()
         check_keys(keys)
-        cpu, file_tier, inflight = self._cpu, self._file, self._inflight
+        cpu, chain, inflight = self._cpu, self._chain, self._inflight
         n = cpu.lookup(keys)
         self._t_cpu.lookup_hits += n
         for key in keys[n:]:
             if key in inflight or cpu.is_ready(key):
                 self._t_cpu.lookup_hits += 1
-            elif file_tier is not None and file_tier.is_ready(key):
-                self._t_file.lookup_hits += 1
             else:
-                break
+                for link in chain:
+                    if link.tier.is_ready(key):
+                        link.traffic.lookup_hits += 1
+                        break
+                else:
+                    break
             n += 1
         self._n["lookups"] += len(keys)
         self._n["lookup_misses"] += len(keys) - n
         if n:
             # The first key ends up most recently used, so prefixes outlive tails.
             cpu.touch(keys[:n])
+        return n
+
+    async def refresh(self, keys: Sequence[bytes]) -> int:
+        """:meth:`lookup`, after asking the shared tiers about the keys no tier knows.
+
+        Each tier of the chain that can learn what peers stored (the cluster
+        tier: one pipelined ``EXISTS`` per node) is asked about the keys past
+        the prefix that the CPU tier and the tiers above it hold; then the
+        lookup is counted as :meth:`lookup` counts it. Without such a tier it
+        is :meth:`lookup`.
+
+        Raises
+        ------
+        InvalidArgumentError
+            For keys that are not distinct 16-byte ``bytes``.
+        ClosedError
+            After :meth:`aclose`.
+
+        Notes
+        -----
+        A node that fails to answer leaves its keys unknown: no error. Costs
+        about one round trip (1-2 ms for a 32-key request on loopback); call
+        it once per request where peers' blocks matter, and :meth:`lookup`
+        on the hot path otherwise. Cancelling the caller abandons the
+        answer, never a transfer.
+        """
+        self._check_open()
+        check_keys(keys)
+        known = self._cpu.lookup(keys)
+        for i, link in enumerate(self._chain):
+            tier = link.tier
+            if isinstance(tier, Refreshable):
+                known = self._known(keys, known, self._chain[:i])
+                if known < len(keys):
+                    await tier.refresh(keys[known:])
+                    self._check_open()
+        return self.lookup(keys)
+
+    def _known(self, keys: Sequence[bytes], start: int, links: Sequence[_Link]) -> int:
+        """Past ``start``, the prefix that is in flight, in the CPU tier or in ``links``."""
+        n = start
+        for key in keys[start:]:
+            if not (
+                key in self._inflight
+                or self._cpu.is_ready(key)
+                or any(link.tier.is_ready(key) for link in links)
+            ):
+                break
+            n += 1
         return n
 
     # -- store --------------------------------------------------------------------------
@@ -670,15 +761,15 @@ class Engine:
         file writes go on in the background (:meth:`flush` waits for them).
         The device blocks must not change until this returns.
 
-        *More blocks than the CPU tier can take at once.* With a file tier
-        that accepts stores, the blocks stream through the CPU rows: as many
-        as there is room for are copied, their rows reach the file tier
-        (written through, or written back when evicted), and the rows are
-        reused for the next ones; the call waits for room meanwhile instead of
-        dropping. The CPU tier keeps the last blocks, the file tier all of
-        them. Without a lower tier (no file tier, or one still recovering) the
-        leading blocks that fit are stored and the rest are dropped: a prefix
-        is what a later request can hit.
+        *More blocks than the CPU tier can take at once.* With a lower tier
+        that accepts stores (file or cluster), the blocks stream through the
+        CPU rows: as many as there is room for are copied, their rows reach
+        the lower tiers (written through, or written back when evicted), and
+        the rows are reused for the next ones; the call waits for room
+        meanwhile instead of dropping. The CPU tier keeps the last blocks, the
+        lower tiers all of them. Without one (no lower tier, or only a file
+        tier still recovering) the leading blocks that fit are stored and the
+        rest are dropped: a prefix is what a later request can hit.
 
         *Cancellation.* The blocks whose copy is running when the awaiting
         task is cancelled are discarded once the copy has finished (the
@@ -690,11 +781,12 @@ class Engine:
         ids = check_block_ids(self._layout, device_block_ids, len(keys) * self._bpc, unique=True)
         self._n["stores"] += 1
         # A key already in the CPU tier (ready or being written) needs no copy; one
-        # only on file is copied anyway: it is hot now, and the file write skips it.
+        # only in a lower tier is copied anyway: it is hot now, and that tier's
+        # write skips it.
         todo = [k for k in keys if k not in self._cpu]
         present = len(keys) - len(todo)
         index = {k: i for i, k in enumerate(keys)}
-        stream = self._file is not None and not self._file.recovering
+        stream = any(not link.tier.recovering for link in self._chain)
         stored = 0
         while todo:
             fresh = [k for k in todo if k not in self._cpu]  # another store took some?
@@ -738,7 +830,7 @@ class Engine:
                 self._inflight.pop(k, None)
             if ok:
                 job.ok.update(plan.keys)
-                self._to_file_tier(plan.keys)
+                self._write_down(plan.keys, self._chain)
             job.done.set_result(None)
 
         copy = self._after_claim(plan, lambda: self._xfer.store(chosen, plan.slots))
@@ -772,7 +864,7 @@ class Engine:
 
     async def _wait_for_rows(self) -> bool:
         """Wait until some work that holds CPU rows ends; False when none is running."""
-        running = [c for c in (*self._file_writes, *self._pending) if not c.done()]
+        running = [c for c in (*self._writes, *self._pending) if not c.done()]
         if running:
             await _wait(running, first=True)
         return bool(running)
@@ -790,86 +882,101 @@ class Engine:
     def _after_claim(self, plan: StorePlan, start: _Starter) -> Completion[None]:
         """Run ``start`` once the evicted rows of ``plan`` may be overwritten.
 
-        Under write-back, a victim's row is its only copy: write it to the file
-        tier first. Otherwise the rows are free at once.
+        A victim's row may be its only copy: each write-back tier that lacks
+        the victim is given it first (the eviction cascades down the chain).
+        Otherwise the rows are free at once.
         """
-        if not (self._write_back and self._file is not None and plan.evicted):
+        if not (self._write_back and plan.evicted):
             return _guarded(start)
-        self._n["write_backs"] += len(plan.evicted)
-        self._dirty.difference_update(plan.evicted)
-        rows = [self._region.row(s) for s in plan.evicted_slots]
-        written = self._file_store(plan.evicted, rows)
+        slots = dict(zip(plan.evicted, plan.evicted_slots, strict=True))
+        writes: list[Completion[None]] = []
+        for link in self._write_back:
+            link.dirty.difference_update(plan.evicted)
+            victims = [k for k in plan.evicted if k not in link.tier]
+            if victims:
+                self._n["write_backs"] += len(victims)
+                rows = [self._region.row(slots[k]) for k in victims]
+                writes.append(self._tier_store(link, victims, rows))
+        if not writes:
+            return _guarded(start)
         out: Completion[None] = Completion()
+        left = [len(writes)]
 
         def go(_c: Completion[None]) -> None:
+            left[0] -= 1
+            if left[0]:
+                return
             inner = _guarded(start)
             inner.add_done_callback(
                 lambda c: out.set_exception(e) if (e := c.exception()) else out.set_result(None)
             )
 
-        written.add_done_callback(go)
+        for written in writes:
+            written.add_done_callback(go)
         return out
 
-    def _to_file_tier(self, keys: tuple[bytes, ...]) -> None:
-        """Freshly stored CPU blocks: write them through, or mark them dirty (write-back)."""
-        if self._file is None:
+    def _write_down(self, keys: Sequence[bytes], links: Sequence[_Link]) -> None:
+        """Ready CPU blocks for ``links``: written through, or marked dirty (write-back)."""
+        if not links or not keys:
             return
         if self._abandoning:
             self._abandon(keys)
             return
-        if self._write_back:
-            self._dirty.update(keys)
-            return
-        if self._file.recovering:
-            # It refuses every store until its slots are known: do not pin rows
-            # (or log a warning per call) for writes that cannot happen.
-            self._n["write_through_failures"] += len(keys)
-            return
-        plan = self._cpu.prepare_load(keys)  # pin: the rows must not be reused meanwhile
-        self._file_store(
-            keys,
-            [self._region.row(s) for s in plan.slots],
-            then=lambda: self._cpu.complete_load(keys),
-        )
+        for link in links:
+            if link.write_back:
+                link.dirty.update(keys)
+            elif link.tier.recovering:
+                # It refuses every store until it knows what it holds: do not
+                # pin rows (or log a warning per call) for writes that cannot happen.
+                self._n["write_through_failures"] += len(keys)
+            else:
+                plan = self._cpu.prepare_load(keys)  # pin: the rows must not be reused meanwhile
+                self._tier_store(
+                    link,
+                    plan.keys,
+                    [self._region.row(s) for s in plan.slots],
+                    then=partial(self._cpu.complete_load, plan.keys),
+                )
 
-    def _file_store(
+    def _tier_store(
         self,
+        link: _Link,
         keys: Sequence[bytes],
         rows: list[memoryview],
         then: Callable[[], object] | None = None,
     ) -> Completion[None]:
-        """Write rows to the file tier; failures are counted and logged, never raised.
+        """Write rows to a lower tier; failures are counted and logged, never raised.
 
         ``then`` runs once the write is over, *before* the returned completion
         resolves: whatever waits for it (``flush``) sees the rows unpinned.
         """
-        assert self._file is not None
         out: Completion[None] = Completion()
         try:
-            comp = self._file.store(keys, rows)
+            comp = link.tier.store(keys, rows)
         except KVTierError as exc:
             self._n["write_through_failures"] += len(keys)
-            log.warning("file tier refused %d blocks: %s", len(keys), exc)
+            log.warning("%s tier refused %d blocks: %s", link.name, len(keys), exc)
             try:
                 if then is not None:
                     then()
             finally:
                 out.set_result(None)
             return out
-        self._t_file.begin(True)
+        traffic = link.traffic
+        traffic.begin(True)
 
         def finished(c: Completion[StoreResult]) -> None:
             exc = c.exception()
             written = 0 if exc is not None else len(c.result().stored)
-            self._t_file.end(True, written, self._region.row_stride)
+            traffic.end(True, written, self._region.row_stride)
             if exc is not None:
                 self._n["write_through_failures"] += len(keys)
-                log.warning("file tier write of %d blocks failed: %s", len(keys), exc)
+                log.warning("%s tier write of %d blocks failed: %s", link.name, len(keys), exc)
             else:
                 result = c.result()
                 self._n["write_through_failures"] += len(result.failed)
                 for key, err in list(result.failed.items())[:3]:
-                    log.warning("file tier write of %s failed: %s", key.hex(), err)
+                    log.warning("%s tier write of %s failed: %s", link.name, key.hex(), err)
             try:
                 if then is not None:
                     then()
@@ -877,14 +984,14 @@ class Engine:
                 out.set_result(None)  # never leave flush waiting
 
         comp.add_done_callback(finished)
-        self._file_writes.add(out)
-        out.add_done_callback(lambda _c: self._file_writes.discard(out))
+        self._writes.add(out)
+        out.add_done_callback(lambda _c: self._writes.discard(out))
         return out
 
     async def flush(self) -> None:
         """Wait until all work started so far has finished (or failed).
 
-        That is every device copy, promotion and file write, including those
+        That is every device copy, promotion and write to a lower tier, including those
         of tasks that were cancelled while awaiting :meth:`store` or
         :meth:`load`.
 
@@ -923,8 +1030,9 @@ class Engine:
         int
             The number of leading keys whose bytes are now on the device. It is
             ``len(keys)`` unless a tier failed under the load (an I/O error, a
-            checksum mismatch, a block that vanished); those blocks are misses
-            from there on and the caller recomputes them.
+            checksum mismatch, a block that vanished from a shared tier, a
+            cluster node down); the first such block and those after it are
+            misses and the caller recomputes them.
 
         Raises
         ------
@@ -956,25 +1064,30 @@ class Engine:
         if not keys:
             return 0
         # Classify synchronously: wait on a job in flight, read a ready CPU row, or
-        # promote from the file tier; a key in none of them fails the whole call.
+        # promote from the highest tier of the chain that has the block; a key
+        # in none of them fails the whole call.
         waits: list[_Job] = []
-        promote: list[bytes] = []
+        promote: dict[int, list[bytes]] = {}
         ready: list[bytes] = []
+        chain = self._chain
         for k in keys:
             job = self._inflight.get(k)
             if job is not None:
                 waits.append(job)
             elif self._cpu.is_ready(k):
                 ready.append(k)
-            elif self._file is not None and self._file.is_ready(k):
-                promote.append(k)
             else:
-                raise BlockNotFoundError(f"block {k.hex()} is in no tier")
+                for i, link in enumerate(chain):
+                    if link.tier.is_ready(k):
+                        promote.setdefault(i, []).append(k)
+                        break
+                else:
+                    raise BlockNotFoundError(f"block {k.hex()} is in no tier")
         # Pin what is ready now, so nothing evicts it while other blocks arrive.
         pinned = list(self._cpu.prepare_load(ready).keys) if ready else []
         try:
-            if promote:
-                waits.append(self._promote(promote))
+            for i, some in promote.items():
+                waits.append(self._promote(i, some))
             self._cpu.touch(keys)
             for job in dict.fromkeys(waits):
                 await job.done
@@ -1026,9 +1139,13 @@ class Engine:
         await copy
         return n
 
-    def _promote(self, keys: list[bytes]) -> _Job:
-        """Start reading file-tier blocks into CPU rows; one job for all of them."""
-        assert self._file is not None
+    def _promote(self, index: int, keys: list[bytes]) -> _Job:
+        """Start reading blocks of tier ``index`` of the chain into CPU rows; one job.
+
+        With ``promote_up``, the blocks that arrive are then given to the
+        tiers above it (written through, or marked dirty for write-back).
+        """
+        link = self._chain[index]
         job = _Job(tuple(keys), Completion())
         plan = self._place(keys)
         if plan is None:
@@ -1037,13 +1154,13 @@ class Engine:
         for k in plan.keys:
             self._inflight[k] = job
         rows = [self._region.row(s) for s in plan.slots]
-        file_tier = self._file
-        self._t_file.begin(False)
+        tier, traffic = link.tier, link.traffic
+        traffic.begin(False)
 
         def start() -> Completion[None]:
             out: Completion[None] = Completion()
             try:
-                comp = file_tier.load(plan.keys, rows)
+                comp = tier.load(plan.keys, rows)
             except KVTierError as exc:
                 out.set_exception(exc)
                 return out
@@ -1060,7 +1177,12 @@ class Engine:
 
         def finished(c: Completion[None]) -> None:
             if (exc := c.exception()) is not None:
-                log.warning("promotion of %d blocks failed: %s", len(plan.keys), exc)
+                log.warning(
+                    "promotion of %d blocks from the %s tier failed: %s",
+                    len(plan.keys),
+                    link.name,
+                    exc,
+                )
             good = [k for k in plan.keys if k in job.ok]
             bad = [k for k in plan.keys if k not in job.ok]
             if good:
@@ -1070,8 +1192,12 @@ class Engine:
             for k in plan.keys:
                 self._inflight.pop(k, None)
             self._n["promotions"] += len(good)
-            self._t_file.end(False, len(good), self._region.row_stride)
-            job.done.set_result(None)
+            traffic.end(False, len(good), self._region.row_stride)
+            try:
+                if good and link.promote_up:
+                    self._write_down(good, self._chain[:index])
+            finally:
+                job.done.set_result(None)
 
         self._after_claim(plan, start).add_done_callback(finished)
         self._track(job.done)
@@ -1082,11 +1208,20 @@ class Engine:
     def statistics(self) -> EngineStatistics:
         """A consistent snapshot of every tier's state and traffic."""
         n = self._n
+        file_stats = cluster_stats = None
+        file_traffic = cluster_traffic = None
+        for link in self._chain:
+            if isinstance(link.tier, FileTier):
+                file_stats, file_traffic = link.tier.statistics(), link.traffic.freeze()
+            elif isinstance(link.tier, ClusterTier):
+                cluster_stats, cluster_traffic = link.tier.statistics(), link.traffic.freeze()
         return EngineStatistics(
             cpu=self._cpu.statistics(),
             cpu_traffic=self._t_cpu.freeze(),
-            file=None if self._file is None else self._file.statistics(),
-            file_traffic=None if self._file is None else self._t_file.freeze(),
+            file=file_stats,
+            file_traffic=file_traffic,
+            cluster=cluster_stats,
+            cluster_traffic=cluster_traffic,
             lookups=n["lookups"],
             lookup_misses=n["lookup_misses"],
             stores=n["stores"],
@@ -1111,6 +1246,47 @@ class Engine:
 
 _FILE_ALIGNMENT = 4096
 """Rows are aligned for O_DIRECT when a file tier reads and writes them."""
+
+
+async def _open_chain(
+    config: KVTierConfig, layout: KVLayout, region: CPURegion, io_engine: IOEngine | None
+) -> list[Tier]:
+    """Open the tiers of ``config.chain`` in order; on failure close those opened."""
+    tiers: list[Tier] = []
+    try:
+        for _name, spec in config.chain:
+            if isinstance(spec, FileTierConfig):
+                tiers.append(
+                    await FileTier.open(
+                        spec,
+                        layout,
+                        block_bytes=region.row_stride,
+                        alignment=min(region.alignment, _FILE_ALIGNMENT),
+                        io_engine=io_engine,
+                    )
+                )
+            else:
+                tiers.append(await ClusterTier.open(spec, layout, block_bytes=region.row_stride))
+    except BaseException:
+        for tier in reversed(tiers):
+            await tier.aclose()
+        raise
+    return tiers
+
+
+async def _aclose_quietly(link: _Link) -> None:
+    """Close one tier; a failure is logged, so the others and the region still close."""
+    try:
+        await link.tier.aclose()
+    except Exception:
+        log.exception("closing the %s tier failed", link.name)
+
+
+def _promotes_up(spec: FileTierConfig | ClusterTierConfig) -> bool:
+    """Whether blocks promoted from a tier below the first also go to the tiers above it."""
+    if isinstance(spec, ClusterTierConfig):
+        return spec.promote_to_file is not False
+    return False  # pragma: no cover - the file tier is always the first of the chain
 
 
 def _check_chunking(config: KVTierConfig, layout: KVLayout) -> None:

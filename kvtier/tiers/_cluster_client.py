@@ -36,8 +36,8 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from kvtier.config import ClusterTierConfig
 from kvtier.errors import CapacityError, KVTierError, TierIOError
-from kvtier.tiers.cluster_config import ClusterTierConfig
 
 __all__ = ["ClusterClient", "Faults", "open_client"]
 

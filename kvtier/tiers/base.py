@@ -5,8 +5,8 @@ and moves them between its own storage and caller buffers. The file tier
 (:class:`~kvtier.tiers.file_tier.FileTier`) and the cluster tier
 (:class:`~kvtier.tiers.cluster.ClusterTier`) are two implementations of
 :class:`Tier`; :class:`kvtier.testing.tier.TierSuite` is the one conformance
-suite both pass. The engine (or the scheduler side of the process split)
-will drive an ordered chain of them through this contract alone.
+suite both pass. The engine (also as the scheduler side of the process
+split) drives an ordered chain of them through this contract alone.
 
 Two kinds of method::
 
@@ -36,7 +36,7 @@ from typing import Protocol, runtime_checkable
 from kvtier.errors import KVTierError
 from kvtier.transfer.completion import Completion
 
-__all__ = ["LoadResult", "StoreResult", "Tier", "TierStatistics"]
+__all__ = ["LoadResult", "Refreshable", "StoreResult", "Tier", "TierStatistics"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +114,24 @@ class TierStatistics(Protocol):
     @property
     def bytes_written(self) -> int:
         """Payload bytes of successful stores."""
+        ...
+
+
+@runtime_checkable
+class Refreshable(Protocol):
+    """A tier whose :meth:`Tier.lookup` answers from local knowledge that I/O can renew.
+
+    A shared tier (the cluster tier) does not see what peers store until it
+    asks; the engine's :meth:`~kvtier.engine.Engine.refresh` asks every tier
+    of its chain that has this ability.
+    """
+
+    async def refresh(self, keys: Sequence[bytes]) -> int:
+        """Learn which of ``keys`` the tier holds; return :meth:`Tier.lookup` of them.
+
+        A failure to ask leaves keys unknown (a hint is not worth failing a
+        request for); only misuse raises (bad keys, a closed tier).
+        """
         ...
 
 

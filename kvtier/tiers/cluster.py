@@ -35,11 +35,13 @@ import collections
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from kvtier.config import ClusterTierConfig
 from kvtier.errors import (
     BlockNotFoundError,
     ClosedError,
+    ConfigurationError,
     IntegrityError,
     InvalidArgumentError,
     KVTierError,
@@ -47,12 +49,15 @@ from kvtier.errors import (
 )
 from kvtier.keys import KEY_BYTES, check_keys
 from kvtier.layout import KVLayout
-from kvtier.tiers._cluster_client import ClusterClient, open_client
 from kvtier.tiers._format import HEADER_BYTES, HeaderError, checksum, decode_header_fields
 from kvtier.tiers._format import encode_header_fields as _encode
 from kvtier.tiers.base import LoadResult, StoreResult, Tier
-from kvtier.tiers.cluster_config import ClusterTierConfig
 from kvtier.transfer.completion import Completion
+
+if TYPE_CHECKING:
+    # The client module imports redis (the optional ``cluster`` extra): loaded
+    # only when a tier opens, so the engine imports without it.
+    from kvtier.tiers._cluster_client import ClusterClient
 
 __all__ = ["ClusterTier", "ClusterTierConfig", "ClusterTierStatistics"]
 
@@ -204,6 +209,8 @@ class ClusterTier(Tier):
         ------
         InvalidArgumentError
             For a non-positive ``block_bytes`` or a namespace that is not 16 bytes.
+        ConfigurationError
+            When the ``redis`` client is not installed (``kvtier[cluster]``).
         TierIOError
             When no node answers, authentication fails, or the servers are
             not in the configured mode (the cause chained; no secret in the message).
@@ -213,6 +220,12 @@ class ClusterTier(Tier):
             raise InvalidArgumentError(f"namespace must be {KEY_BYTES} bytes, got {namespace!r}")
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
             raise InvalidArgumentError(f"block_bytes must be a positive int, got {block_bytes!r}")
+        try:
+            from kvtier.tiers._cluster_client import open_client
+        except ImportError as exc:
+            raise ConfigurationError(
+                "the cluster tier needs the redis client: pip install kvtier[cluster]"
+            ) from exc
         client = await open_client(config)
         return cls(config, client, namespace, block_bytes)
 
