@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import os
 import signal
 import struct
@@ -21,54 +20,27 @@ from kvtier import _shm
 from kvtier.errors import SharedRegionError
 from kvtier.layout import KVLayout
 from kvtier.region import CPURegion
+from kvtier.testing.processes import Children
 
 WORKER = Path(__file__).with_name("_worker.py")
 BUDGET = 1 << 20
 Leftovers = Callable[[str], list[Any]]
 
 
-class Workers:
+class Workers(Children):
     """Worker processes of one test; every one still running at the end is killed."""
 
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
-
-    def spawn(
+    def spawn(  # type: ignore[override]
         self, name: str, world: int, rank: int, mode: str, *extra: str, budget: int = BUDGET
     ) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            [sys.executable, str(WORKER), name, str(world), str(rank), str(budget), mode, *extra],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.procs.append(proc)
-        return proc
+        return super().spawn(str(WORKER), name, world, rank, budget, mode, *extra)
 
-    @staticmethod
-    def report(proc: subprocess.Popen[str]) -> dict[str, Any]:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line:
-            assert proc.stderr is not None
-            raise AssertionError(f"worker said nothing; stderr:\n{proc.stderr.read()}")
-        result: dict[str, Any] = json.loads(line)
-        return result
+    report = staticmethod(Children.line)
 
     def finish(self, proc: subprocess.Popen[str]) -> dict[str, Any]:
         out = self.report(proc)
         assert proc.wait(timeout=20) == 0
         return out
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
 
 
 @pytest.fixture

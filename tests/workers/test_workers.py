@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -31,6 +29,7 @@ from kvtier import (
 )
 from kvtier.engine import Engine
 from kvtier.region import CPURegion
+from kvtier.testing.processes import Children
 from kvtier.workers import Worker, WorkerGroup
 from kvtier.workers.jobs import Hello, Notice, decode
 
@@ -56,43 +55,17 @@ def shm_files(group: WorkerGroup) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if group.instance.hex() in n]
 
 
-class Procs:
+class Procs(Children):
     """Worker processes of one test; every one still running at the end is killed."""
 
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
-
-    def spawn(
+    def spawn(  # type: ignore[override]
         self, address: str, rank: int, world: int, mode: str = "serve"
     ) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            [sys.executable, str(SCRIPT), address, str(rank), str(world), mode],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.procs.append(proc)
-        return proc
+        return super().spawn(str(SCRIPT), address, rank, world, mode)
 
     @staticmethod
-    async def line(proc: subprocess.Popen[str]) -> dict[str, Any]:
-        assert proc.stdout is not None
-        text = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
-        if not text:
-            assert proc.stderr is not None
-            raise AssertionError(f"worker said nothing; stderr:\n{proc.stderr.read()}")
-        out: dict[str, Any] = json.loads(text)
-        return out
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
+    async def line(proc: subprocess.Popen[str]) -> dict[str, Any]:  # type: ignore[override]
+        return await asyncio.wait_for(asyncio.to_thread(Children.line, proc), 30)
 
 
 @pytest.fixture
