@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import subprocess
 import time
@@ -229,3 +230,56 @@ async def test_engine_open_checks_the_split() -> None:
     with pytest.raises(InvalidArgumentError, match="no kv_caches"):
         await Engine.open(config(2), layout_of(kv, 0, 2), kv, workers=group)
     assert not Path(group.address.removeprefix("ipc://")).parent.exists()
+
+
+async def test_cancelled_tasks_under_load_leave_nothing_pinned_or_wrong(procs: Procs) -> None:
+    world = 2
+    group = WorkerGroup.bind(world)
+    workers = [procs.spawn(group.address, r, world) for r in range(world)]
+    engine = await Engine.open(
+        config(world), layout_of(make_kv(0), 0, world), workers=group, worker_timeout=60
+    )
+    rng = random.Random(1616)
+    try:
+        for p in workers:
+            await Procs.line(p)
+
+        def chain(t: int) -> list[bytes]:
+            return chain_keys(list(range(16 * t, 16 * t + 16)), 4, engine.namespace)
+
+        async def one(t: int) -> None:
+            # Chain t always comes from device blocks t % 5 ..: its bytes are known.
+            keys = chain(t)
+            if rng.random() < 0.5 and (hits := engine.lookup(keys)):
+                start = 8 + 4 * rng.randrange(2)
+                await engine.load(keys[:hits], list(range(start, start + hits)))
+            else:
+                await engine.store(keys, list(range(t % 5, t % 5 + 4)))
+
+        tasks = [asyncio.ensure_future(one(rng.randrange(24))) for _ in range(300)]
+        cancelled = 0
+        for task in tasks:
+            if rng.random() < 0.3:
+                await asyncio.sleep(rng.uniform(0, 0.002))
+                cancelled += task.cancel()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+        assert [r for r in results if not isinstance(r, (asyncio.CancelledError, type(None)))] == []
+        assert cancelled > 0
+        await engine.flush()
+        stats = engine.statistics()
+        assert (stats.cpu.pinned, stats.cpu.being_written, stats.in_flight) == (0, 0, 0)
+        # Every chain still found loads each rank's own bytes.
+        checked = 0
+        for t in range(24):
+            hits = engine.lookup(chain(t))
+            if hits:
+                n = await engine.load(chain(t)[:hits], list(range(8, 8 + hits)))
+                for p in workers:
+                    Children.tell(p, f"check {t % 5} 8 {n}")
+                assert [(await Procs.line(p))["same"] for p in workers] == [True] * world
+                checked += 1
+        assert checked > 0
+    finally:
+        await engine.aclose()
+    assert [(await Procs.line(p))["ending"] for p in workers] == ["stopped"] * world
+    assert shm_files(group) == []
