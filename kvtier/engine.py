@@ -239,7 +239,10 @@ class _Job:
 
 
 class Engine:
-    """Tiered KV block storage for one serving worker.
+    """Tiered KV block storage for one serving instance (the scheduler side).
+
+    The device copies run in this process (``kv_caches``), or in one worker
+    process per tensor-parallel rank (``workers=``, :mod:`kvtier.workers`).
 
     Open it with :meth:`open`; close it with :meth:`aclose` or ``async with``::
 
