@@ -1,0 +1,89 @@
+"""The integrations stay at the edge, and the vLLM adapter's configuration (no vLLM needed)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from kvtier.errors import ConfigurationError
+from kvtier.integrations.vllm.settings import parse_extra_config
+
+PACKAGE = Path(__file__).resolve().parents[1] / "kvtier"
+INTEGRATIONS = PACKAGE / "integrations"
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_only_the_integration_imports_vllm() -> None:
+    offenders = [
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if INTEGRATIONS not in p.parents and "vllm" in _imports(p)
+    ]
+    assert offenders == []
+    # ...and the adapter does, in one module only.
+    users = [p.name for p in INTEGRATIONS.rglob("*.py") if "vllm" in _imports(p)]
+    assert users == ["spec.py"]
+
+
+def test_settings_build_kvtiers_config(tmp_path: Path) -> None:
+    s = parse_extra_config(
+        {
+            "spec_name": "KVTierOffloadingSpec",
+            "spec_module_path": "kvtier.integrations.vllm.spec",
+            "cpu_bytes_to_use": "1GiB",
+            "eviction_policy": "arc",
+            "file_tier": {"root": str(tmp_path), "bytes_to_use": "2GiB"},
+        },
+        blocks_per_chunk=2,
+        world_size=4,
+    )
+    assert int(s.config.cpu_bytes_to_use) == 1 << 30
+    assert s.config.eviction_policy == "arc"
+    assert s.config.blocks_per_chunk == 2
+    assert s.config.world_size == 4
+    assert s.config.file_tier is not None
+    assert s.config.file_tier.root == tmp_path
+    assert s.statistics_file is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        pytest.param({"cpu_bytes_to_use": "1GiB", "cpu_bytes": 1}, "unknown key", id="unknown-key"),
+        pytest.param({}, "cpu_bytes_to_use is required", id="missing-budget"),
+        pytest.param({"cpu_bytes_to_use": "lots"}, "cpu_bytes_to_use", id="bad-size"),
+        pytest.param(
+            {"cpu_bytes_to_use": "1GiB", "eviction_policy": "fifo"}, "eviction_policy", id="policy"
+        ),
+        pytest.param(
+            {"cpu_bytes_to_use": "1GiB", "file_tier": {"root": "/x"}},
+            "bytes_to_use",
+            id="file-tier-without-budget",
+        ),
+        pytest.param(
+            {
+                "cpu_bytes_to_use": "1GiB",
+                "file_tier": {"root": "/x", "bytes_to_use": "1GiB", "write_policy": "write_back"},
+            },
+            "write_through",
+            id="write-back",
+        ),
+        pytest.param(
+            {"cpu_bytes_to_use": "1GiB", "statistics_file": 3}, "statistics_file", id="stats"
+        ),
+    ],
+)
+def test_bad_settings_raise_configuration_error(extra: dict[str, object], words: str) -> None:
+    with pytest.raises(ConfigurationError, match=words):
+        parse_extra_config(extra)
