@@ -9,6 +9,6 @@
 from __future__ import annotations
 
 from kvtier.workers.group import WorkerGroup
-from kvtier.workers.worker import Worker, run_worker
+from kvtier.workers.worker import Worker, WorkerThread, run_worker
 
-__all__ = ["Worker", "WorkerGroup", "run_worker"]
+__all__ = ["Worker", "WorkerGroup", "WorkerThread", "run_worker"]

@@ -55,7 +55,13 @@ from kvtier.errors import (
 )
 from kvtier.layout import KVLayout
 from kvtier.transfer.completion import Completion
-from kvtier.transfer.device import BlockIds, DeviceTransfer, TransferStatistics, check_block_ids
+from kvtier.transfer.device import (
+    BlockIds,
+    DeviceTransfer,
+    TransferStatistics,
+    _as_index,
+    check_block_ids,
+)
 from kvtier.workers.jobs import Hello, JobDone, JobSpec, Notice, Welcome, decode
 
 if TYPE_CHECKING:
@@ -337,6 +343,9 @@ class WorkerGroup(DeviceTransfer):
             # Its region attach failed: it holds nothing; let another take the rank.
             self._n.refusals.append(f"rank {peer.rank}: {note.error}: {note.message}")
             self._forget(peer)
+        elif note.op == "bye" and not self._closed:
+            # It stopped unasked (Worker.aclose): as good as dead to this group.
+            self._lost(peer, "stopped serving")
         elif note.op == "bye":
             self._byes.add(peer.rank)
             self._forget(peer)
@@ -435,17 +444,10 @@ class WorkerGroup(DeviceTransfer):
         return self._layout
 
     def _check_rows(self, rows: Sequence[int] | np.ndarray) -> np.ndarray:
-        try:
-            r = np.asarray(rows)
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgumentError(f"rows must be integers: {exc}") from exc
-        if r.size == 0:
-            return np.zeros(0, dtype=np.int64)
-        if r.ndim != 1 or r.dtype.kind not in "iu":
-            raise InvalidArgumentError("rows must be a flat sequence of integers")
-        if int(r.min()) < 0 or int(r.max()) >= self._rows:
+        r = _as_index(rows, "rows")
+        if r.size and (int(r.min()) < 0 or int(r.max()) >= self._rows):
             raise InvalidArgumentError(f"rows must be in [0, {self._rows}), got {r.tolist()[:8]}")
-        return r.astype(np.int64, copy=False)
+        return r
 
     def _new_id(self) -> int:
         self._next_job += 1

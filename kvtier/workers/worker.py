@@ -18,13 +18,15 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import zmq
 import zmq.asyncio
 
-from kvtier.errors import KVTierError, WorkerError
+from kvtier.errors import InvalidArgumentError, KVTierError, WorkerError
 from kvtier.layout import KVLayout
 from kvtier.region import CPURegion
 from kvtier.transfer.completion import Completion
@@ -34,7 +36,7 @@ from kvtier.workers.jobs import Hello, JobDone, JobSpec, Notice, Welcome, decode
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Worker", "run_worker"]
+__all__ = ["Worker", "WorkerThread", "run_worker"]
 
 log = logging.getLogger("kvtier.workers")
 
@@ -55,6 +57,16 @@ class Worker:
     The rank is ``layout.tp_rank``; ``layout`` is this rank's own layout
     (``tp_size`` = the world size). The KV tensors must not be freed while the
     worker serves: jobs copy into and out of them.
+
+    *Rows pinned for a job.* The residency (which row holds which block, which
+    is pinned) lives in the scheduler; across the boundary a worker can check
+    its consequence, cheaply: a row that a store writes is used by no other
+    job running on this rank, and a row that a load reads is not being
+    stored. A job that breaks this (a scheduler that lost track of its pins)
+    is refused with ``InvalidArgumentError`` before any byte moves; its rows'
+    other jobs are untouched. A row freed by the scheduler only after every
+    rank reported its job cannot clash, since each rank reports a job only
+    once its copy is over.
     """
 
     def __init__(
@@ -74,7 +86,13 @@ class Worker:
         self._xfer = transfer
         self._scheduler_pid = scheduler_pid
         self._task: asyncio.Task[None] | None = None
+        self._writing: set[int] = set()
+        """Rows that a store running here writes."""
+        self._reading: Counter[int] = Counter()
+        """Rows that loads running here read, with how many loads read each."""
         self._ending: Ending = "stopped"
+        self._stopping = False
+        """Set by aclose: the worker stops unasked and says so."""
         self._closed = False
 
     @property
@@ -209,7 +227,7 @@ class Worker:
             if pidfd is not None:
                 loop.remove_reader(pidfd)
                 os.close(pidfd)
-            await self._shutdown(say_bye=self._ending == "stopped")
+            await self._shutdown(say_bye=self._ending == "stopped" or self._stopping)
         return self._ending
 
     def _scheduler_exited(self) -> None:
@@ -225,17 +243,57 @@ class Worker:
             elif isinstance(msg, Notice) and msg.op == "stop":
                 return
 
+    def _claim(self, spec: JobSpec) -> list[int]:
+        """Take ``spec``'s rows for the job: a store holds them alone, loads share them.
+
+        Raises
+        ------
+        InvalidArgumentError
+            A row of a store is used by a job still running here, or a row of a
+            load is being stored: the scheduler's pins were not kept.
+        """
+        rows: list[int] = spec.rows.tolist()
+        store = spec.kind == "store"
+        clash = [r for r in rows if r in self._writing or (store and r in self._reading)]
+        if clash:
+            raise InvalidArgumentError(
+                f"rank {self._rank}: {spec.kind} job {spec.job} names rows {clash[:8]} that "
+                "a job still running here uses: they are not pinned for it"
+            )
+        if store:
+            self._writing.update(rows)
+        else:
+            self._reading.update(rows)
+        return rows
+
+    def _release(self, spec: JobSpec, rows: list[int]) -> None:
+        if spec.kind == "store":
+            self._writing.difference_update(rows)
+        else:
+            self._reading.subtract(rows)
+            for r in rows:
+                if self._reading[r] <= 0:
+                    del self._reading[r]
+
     def _run(self, spec: JobSpec) -> None:
+        try:
+            rows = self._claim(spec)
+        except InvalidArgumentError as exc:
+            self._reply(JobDone(spec.job, type(exc).__name__, str(exc)))
+            return
         try:
             if spec.kind == "store":
                 comp = self._xfer.store(spec.ids, spec.rows)
             else:
                 comp = self._xfer.load(spec.rows, spec.ids, spec.skip)
         except Exception as exc:  # reported to the scheduler, typed by name
+            self._release(spec, rows)
             self._reply(JobDone(spec.job, type(exc).__name__, str(exc)))
             return
 
         def finished(c: Completion[None]) -> None:
+            # The copy is over (its memory is free): the rows may serve the next job.
+            self._release(spec, rows)
             exc = c.exception()
             if exc is None:
                 self._reply(JobDone(spec.job))
@@ -265,12 +323,20 @@ class Worker:
             self._ctx.term()
 
     async def aclose(self) -> None:
-        """Stop without being told (the scheduler then sees this worker exit); idempotent."""
+        """Stop without being told; idempotent.
+
+        The copies in flight finish, the region is detached, and the worker
+        says goodbye: the scheduler fails the jobs it had not reported and
+        refuses new ones, as when a worker dies (its pidfd would say so only
+        when the process exits, and a worker on a thread may outlive its
+        serving).
+        """
         if self._task is not None and not self._task.done():
+            self._stopping = True
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await self._shutdown(say_bye=False)
+        await self._shutdown(say_bye=True)
 
 
 def run_worker(
@@ -292,3 +358,101 @@ def run_worker(
         return await worker.serve()
 
     return asyncio.run(main())
+
+
+class WorkerThread:
+    """A :class:`Worker` serving on a thread of its own, with its own event loop.
+
+    For a worker process whose main thread is busy running the model (vLLM's
+    worker, a training-style loop)::
+
+        handle = WorkerThread.start(address, layout, kv_caches)  # returns once attached
+        ...                                                      # the model runs
+        handle.stop()                                            # or: handle.join()
+
+    Notes
+    -----
+    Copies run on the thread's copier while the main thread works: the KV
+    tensors are shared memory between the two, as they are with the
+    in-process engine. The thread is a daemon: a process that exits without
+    :meth:`stop` leaves the scheduler to see its exit.
+    """
+
+    def __init__(self) -> None:
+        """Use :meth:`start`."""
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._worker: Worker | None = None
+        self._error: BaseException | None = None
+        self._ending: Ending | None = None
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def start(
+        cls,
+        address: str,
+        layout: KVLayout,
+        kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+        *,
+        backend: Literal["auto", "cpu", "cuda"] = "auto",
+        timeout: float = 60.0,
+    ) -> WorkerThread:
+        """Start the thread and wait until the worker registered and attached the region.
+
+        Raises
+        ------
+        KVTierError
+            What :meth:`Worker.open` raises; the thread has ended then.
+        """
+        self = cls()
+
+        async def main() -> None:
+            try:
+                worker = await Worker.open(
+                    address, layout, kv_caches, backend=backend, timeout=timeout
+                )
+            except BaseException as exc:
+                self._error = exc
+                self._ready.set()
+                return
+            self._loop, self._worker = asyncio.get_running_loop(), worker
+            self._ready.set()
+            try:
+                self._ending = await worker.serve()
+            except asyncio.CancelledError:  # stop() closed it
+                self._ending = "stopped"
+
+        self._thread = threading.Thread(
+            target=asyncio.run, args=(main(),), name=f"kvtier-worker-{layout.tp_rank}", daemon=True
+        )
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+        return self
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker still serves."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> Ending | None:
+        """Wait until serving ends (the scheduler stopped it or exited).
+
+        Returns how it ended, or None if ``timeout`` passed first.
+        """
+        assert self._thread is not None
+        self._thread.join(timeout)
+        return None if self._thread.is_alive() else self._ending
+
+    def stop(self, timeout: float | None = None) -> Ending | None:
+        """Close the worker from any thread (the scheduler sees it exit), then :meth:`join`.
+
+        Idempotent; the copies in flight finish first.
+        """
+        loop, worker = self._loop, self._worker
+        if loop is not None and worker is not None and self.alive:
+            with contextlib.suppress(RuntimeError):  # its loop has just closed
+                asyncio.run_coroutine_threadsafe(worker.aclose(), loop)
+        return self.join(timeout)

@@ -12,6 +12,7 @@ store by 60 s (so that a test can kill it in the middle of a job). A line
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -42,11 +43,14 @@ def layout_of(kv: list[torch.Tensor], rank: int, world: int) -> KVLayout:
     )
 
 
-class Slow(DeviceTransfer):
-    """Reports every store 60 s after it finished."""
+class Held(DeviceTransfer):
+    """Holds every store's report until :attr:`release` is set, or ``after`` seconds."""
 
-    def __init__(self, inner: DeviceTransfer) -> None:
+    def __init__(self, inner: DeviceTransfer, after: float | None = None) -> None:
         self._inner = inner
+        self._after = after
+        self.release = asyncio.Event()
+        self._holding: set[asyncio.Future[None]] = set()
 
     @property
     def backend(self) -> str:
@@ -57,8 +61,16 @@ class Slow(DeviceTransfer):
     ) -> Completion[None]:
         real = self._inner.store(device_block_ids, rows)
         late: Completion[None] = Completion()
-        loop = asyncio.get_running_loop()
-        real.add_done_callback(lambda _c: loop.call_later(60, late.set_result, None))
+
+        async def hold() -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.release.wait(), self._after)
+            await real
+            late.set_result(None)
+
+        task = asyncio.ensure_future(hold())
+        self._holding.add(task)
+        task.add_done_callback(self._holding.discard)
         return late
 
     def load(
@@ -70,7 +82,13 @@ class Slow(DeviceTransfer):
         return self._inner.statistics()
 
     async def aclose(self) -> None:
+        self.release.set()
         await self._inner.aclose()
+
+
+def slow(inner: DeviceTransfer) -> DeviceTransfer:
+    """Reports every store 60 s after it finished."""
+    return Held(inner, after=60)
 
 
 async def main() -> None:
@@ -81,7 +99,7 @@ async def main() -> None:
         layout_of(kv, rank, world),
         kv,
         timeout=30,
-        wrap_transfer=Slow if mode == "slow" else None,
+        wrap_transfer=slow if mode == "slow" else None,
     )
     print(json.dumps({"rank": rank, "attached": True}), flush=True)
     serving = asyncio.ensure_future(worker.serve())

@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -25,14 +26,19 @@ from kvtier import (
     LayoutError,
     SharedRegionError,
     TransferError,
+    WorkerError,
     WorkerLostError,
     chain_keys,
 )
 from kvtier.engine import Engine
 from kvtier.region import CPURegion
 from kvtier.testing.processes import Children
-from kvtier.workers import Worker, WorkerGroup
+from kvtier.transfer.device import DeviceTransfer
+from kvtier.workers import Worker, WorkerGroup, WorkerThread
 from kvtier.workers.jobs import Hello, Notice, decode
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _worker import Held
 
 SCRIPT = Path(__file__).with_name("_worker.py")
 NUM_BLOCKS = 16
@@ -283,3 +289,69 @@ async def test_cancelled_tasks_under_load_leave_nothing_pinned_or_wrong(procs: P
         await engine.aclose()
     assert [(await Procs.line(p))["ending"] for p in workers] == ["stopped"] * world
     assert shm_files(group) == []
+
+
+async def test_a_worker_refuses_a_job_for_rows_another_job_uses() -> None:
+    group = WorkerGroup.bind(1)
+    kv = make_kv(0)
+    held: list[Held] = []
+
+    def wrap(inner: DeviceTransfer) -> DeviceTransfer:
+        held.append(Held(inner))
+        return held[0]
+
+    async def serve() -> str:
+        worker = await Worker.open(group.address, layout_of(kv, 0, 1), kv, wrap_transfer=wrap)
+        return await worker.serve()
+
+    serving = asyncio.create_task(serve())
+    engine = await Engine.open(config(1), layout_of(kv, 0, 1), workers=group)
+    try:
+        first = group.store([0], [3])  # row 3 is being written on the worker
+        with pytest.raises(WorkerError, match="not pinned for it") as info:
+            await group.load([3], [8])
+        assert info.value.rank == 0
+        with pytest.raises(WorkerError, match="InvalidArgumentError"):
+            await group.store([1, 2], [3, 4])
+        assert not first.done()
+        held[0].release.set()
+        await first
+        await group.load([3], [8])  # the row is free again once its store is over
+        assert torch.equal(kv[0][:, 8], kv[0][:, 0])
+    finally:
+        held[0].release.set()
+        await engine.aclose()
+    assert await serving == "stopped"
+
+
+async def store_until_refused(engine: Engine) -> None:
+    """Store fresh blocks until a job is refused (a worker of this process has no pidfd
+    of its own to watch: the scheduler learns of its exit when the socket cannot reach it)."""
+    for i in range(100):
+        keys = chain_keys(list(range(100 + 8 * i, 108 + 8 * i)), 4, engine.namespace)
+        await engine.store(keys, [2, 3])
+        await asyncio.sleep(0.05)
+
+
+async def test_a_worker_serves_from_a_thread_of_its_own() -> None:
+    kv = make_kv(0)
+    layout = layout_of(kv, 0, 1)
+    for how in ("scheduler closes", "worker stops"):
+        group = WorkerGroup.bind(1)
+        opening = asyncio.ensure_future(Engine.open(config(1), layout, workers=group))
+        # The calling thread (a model's main thread) gets control back once attached.
+        handle = await asyncio.to_thread(WorkerThread.start, group.address, layout, kv)
+        engine = await opening
+        try:
+            keys = chain_keys(list(range(8)), engine.block_tokens, engine.namespace)
+            assert (await engine.store(keys, [0, 1])).stored == 2
+            assert await engine.load(keys, [8, 9]) == 2
+            assert torch.equal(kv[0][:, 8:10], kv[0][:, 0:2])
+            if how == "worker stops":
+                assert await asyncio.to_thread(handle.stop, 10) == "stopped"
+                with pytest.raises(WorkerLostError):
+                    await store_until_refused(engine)
+        finally:
+            await engine.aclose()
+        assert await asyncio.to_thread(handle.join, 10) == "stopped"
+        assert not handle.alive
