@@ -22,10 +22,17 @@ The protocol (see docs/cpu-region.md for the picture):
   process leaves nothing behind. A process that closes while no other holds the
   live lock unlinks it too.
 * A **holder** (the scheduler of a split instance, ``rank=None``) maps every
-  rank's slice and is one more party: it can only create the file (a name
-  already live belongs to another instance), the header marks it, and the
-  name goes once ``world_size`` ranks and the holder attached. The geometry
-  carries an **instance** token: a rank of another instance is refused.
+  rank's slice and is one more party: the header marks it, and the name goes
+  once ``world_size`` ranks and the holder attached. Usually the holder
+  creates the file. Where the ranks start first (vLLM builds its workers'
+  KV caches before its scheduler), the ranks say so (``holder=True``): the
+  creating rank marks the header as expecting a holder, so the name stays
+  until the holder has joined. A holder joins a live file only if it is
+  marked so and no holder attached yet; any other live file under its name
+  belongs to another instance. Without that mark the last rank would unlink
+  the name and a late holder would silently create a second, separate file.
+  The geometry carries an **instance** token: a party of another instance is
+  refused.
 """
 
 from __future__ import annotations
@@ -295,10 +302,19 @@ def _attach_rank(fd: int, h: _Header, rank: int | None, path: str) -> None:
 # -- attach / detach ------------------------------------------------------------------------
 
 
-def attach(name: str, geometry: Geometry, rank: int | None, join_timeout: float) -> Attachment:
+def attach(
+    name: str,
+    geometry: Geometry,
+    rank: int | None,
+    join_timeout: float,
+    *,
+    holder: bool = False,
+) -> Attachment:
     """Create the region file ``name``, or join it; see the module docstring.
 
-    ``rank=None`` attaches the holder, which maps every slice: it only creates.
+    ``rank=None`` attaches the holder, which maps every slice: it creates, or
+    joins a file whose ranks came first and expect it. ``holder=True`` (ranks
+    only) says the instance has a holder that may attach after the ranks.
 
     Raises
     ------
@@ -306,14 +322,14 @@ def attach(name: str, geometry: Geometry, rank: int | None, join_timeout: float)
         The creator died part way (its file is removed), it did not finish
         within ``join_timeout``, the file was made for another geometry (or
         instance), ``rank`` is already attached, or a holder finds the name
-        live (another instance uses it).
+        live and not expecting it (another instance uses it).
     CapacityError
         ``/dev/shm`` (or the huge page pool) lacks the room; nothing is left behind.
     """
     path = region_path(name)
     deadline = time.monotonic() + join_timeout
     while True:
-        created = _try_create(path, geometry, rank)
+        created = _try_create(path, geometry, rank, holder)
         if created is not None:
             return created
         try:
@@ -337,7 +353,7 @@ def attach(name: str, geometry: Geometry, rank: int | None, join_timeout: float)
             )
 
 
-def _try_create(path: str, geometry: Geometry, rank: int | None) -> Attachment | None:
+def _try_create(path: str, geometry: Geometry, rank: int | None, holder: bool) -> Attachment | None:
     fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
     try:
         _setlk(fd, fcntl.F_WRLCK, _MUTEX)
@@ -356,7 +372,7 @@ def _try_create(path: str, geometry: Geometry, rank: int | None) -> Attachment |
         os.close(fd)
         raise
     try:
-        att = _initialize(fd, path, geometry, rank)
+        att = _initialize(fd, path, geometry, rank, holder)
     except BaseException:
         _unlink_names(path, fd, None)
         os.close(fd)
@@ -365,7 +381,9 @@ def _try_create(path: str, geometry: Geometry, rank: int | None) -> Attachment |
     return att
 
 
-def _initialize(fd: int, path: str, geometry: Geometry, rank: int | None) -> Attachment:
+def _initialize(
+    fd: int, path: str, geometry: Geometry, rank: int | None, holder: bool
+) -> Attachment:
     data_bytes = geometry.data_bytes
     huge = _hugetlbfs_dir(data_bytes)
     data_fd, data_path, page_size = fd, None, PAGE_SIZE
@@ -411,7 +429,7 @@ def _initialize(fd: int, path: str, geometry: Geometry, rank: int | None) -> Att
             page_size=page_size,
             data_path=data_path,
             ranks=bytearray(MAX_WORLD_SIZE // 8),
-            holder=int(rank is None),
+            holder=int(rank is None or holder),
         )
         _attach_rank(fd, header, rank, path)
     except BaseException:
@@ -454,16 +472,16 @@ def _join(
             # rely on its bytes. Remove it and create a fresh one.
             _unlink_names(path, fd, h.data_path)
             return None
-        if rank is None:
+        if rank is None and (not h.holder or _holder_attached(h)):
             # The holder is the instance's scheduler: a live file under its
-            # name is another instance's, never one to share.
+            # name that does not wait for it is another instance's.
             raise SharedRegionError(
                 f"shared region {path} is in use by another instance (pid "
                 f"{h.creator_pid} created it): choose another name"
             )
         _check_geometry(path, h.geometry, geometry)
         _check_fields(path, h)
-        if h.ranks[rank // 8] & (1 << (rank % 8)):
+        if rank is not None and h.ranks[rank // 8] & (1 << (rank % 8)):
             raise SharedRegionError(f"rank {rank} is already attached to shared region {path}")
         data_fd = fd
         if h.data_path is not None:  # pragma: no cover - needs reserved huge pages
@@ -476,6 +494,11 @@ def _join(
         )
     finally:
         _release_mutex(fd)
+
+
+def _holder_attached(h: _Header) -> bool:
+    """Whether the holder attached: attachments beyond the ranks' bits (never reset)."""
+    return h.attached > sum(bin(b).count("1") for b in h.ranks)
 
 
 def _check_geometry(path: str, theirs: Geometry, mine: Geometry) -> None:

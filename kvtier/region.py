@@ -179,6 +179,7 @@ class CPURegion:
         rank: int | None = 0,
         shared_name: str | None = None,
         instance: bytes | None = None,
+        holder: bool = False,
         alignment: int | None = None,
         join_timeout: float = 30.0,
         pin: PinMode = "auto",
@@ -194,8 +195,9 @@ class CPURegion:
         world_size, rank
             Worker processes sharing each row, and this process's index.
             ``rank=None`` maps every slice of each row (the scheduler of a
-            split instance): it needs ``shared_name``, creates the file and is
-            one more party besides the ``world_size`` ranks.
+            split instance, the *holder*): it needs ``shared_name``, creates
+            the file (or joins ranks that said ``holder=True``) and is one more
+            party besides the ``world_size`` ranks.
         shared_name
             Name of the shared region (``[A-Za-z0-9._-]``, up to 200 characters);
             required when ``world_size > 1``. With a name, the region is a file
@@ -203,6 +205,12 @@ class CPURegion:
         instance
             16 bytes naming the serving instance; a process passing other bytes
             than the creator cannot join (default: zeros).
+        holder
+            Ranks only: the instance also has a holder (``rank=None``) that may
+            attach after the ranks, as vLLM's scheduler does after its workers.
+            The file keeps its name until the holder has joined; without this
+            the last rank removes the name and a late holder would create a
+            second, separate region. Every rank of the instance passes the same.
         alignment
             Required alignment of rows (a power of two); default the page size.
         join_timeout
@@ -250,6 +258,13 @@ class CPURegion:
             _check_int("rank", rank, 0)
             if rank >= world_size:
                 raise InvalidArgumentError(f"rank {rank} is not below world_size {world_size}")
+        if not isinstance(holder, bool):
+            raise InvalidArgumentError(f"holder must be a bool, got {holder!r}")
+        if holder and (rank is None or shared_name is None):
+            raise InvalidArgumentError(
+                "holder=True is for the ranks of a shared region (a rank and shared_name=) "
+                "whose holder (rank=None) may attach after them"
+            )
         if instance is None:
             instance = bytes(16)
         if not isinstance(instance, bytes) or len(instance) != 16:
@@ -309,7 +324,9 @@ class CPURegion:
                     rows, row_stride, slice_bytes, align, world_size, layout.namespace, instance
                 )
                 try:
-                    att = _shm.attach(shared_name, geometry, rank, float(join_timeout))
+                    att = _shm.attach(
+                        shared_name, geometry, rank, float(join_timeout), holder=holder
+                    )
                 except OSError as exc:
                     raise SharedRegionError(
                         f"cannot create or join shared region {shared_name!r}: {exc}"

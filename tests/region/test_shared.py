@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvtier import _shm
-from kvtier.errors import SharedRegionError
+from kvtier.errors import InvalidArgumentError, SharedRegionError
 from kvtier.layout import KVLayout
 from kvtier.region import CPURegion
 from kvtier.testing.processes import Children
@@ -275,3 +275,53 @@ def test_a_damaged_header_is_a_typed_error(
     finally:
         first.close()
     assert not leftovers(shm_name)
+
+
+def test_a_holder_joins_ranks_that_started_first(
+    layout: KVLayout, shm_name: str, leftovers: Leftovers
+) -> None:
+    # vLLM builds its workers' KV caches (the ranks attach) before its
+    # scheduler (the holder). Without holder=True the last rank unlinked the
+    # name and the holder created a second region: the two sides then saw
+    # different bytes, silently.
+    inst = bytes(range(16))
+
+    def open_region(rank: int | None) -> CPURegion:
+        return CPURegion.create(
+            layout,
+            BUDGET,
+            world_size=2,
+            rank=rank,
+            shared_name=shm_name,
+            instance=inst,
+            holder=rank is not None,
+            pin="off",
+        )
+
+    ranks = [open_region(0)]
+    whole = open_region(None)
+    try:
+        with pytest.raises(SharedRegionError, match="another instance"):
+            open_region(None)  # one holder per instance
+        ranks.append(open_region(1))
+        assert not leftovers(shm_name)  # every party attached: the name is gone
+        for r, region in enumerate(ranks):
+            for t in region.tensor_views():
+                t[3].fill_(0x11 * (r + 1))
+        row = bytes(whole.row(3))
+        for r in (0, 1):
+            piece = row[r * whole.slice_bytes : (r + 1) * whole.slice_bytes]
+            assert piece == bytes([0x11 * (r + 1)]) * whole.slice_bytes
+        whole.row(5)[:] = b"\x7f" * whole.row_stride
+        assert all(bool((t[5] == 0x7F).all()) for t in ranks[0].tensor_views())
+    finally:
+        whole.close()
+        for region in ranks:
+            region.close()
+
+
+def test_holder_true_needs_a_rank_and_a_name(layout: KVLayout, shm_name: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="holder=True"):
+        CPURegion.create(layout, BUDGET, rank=0, holder=True, pin="off")
+    with pytest.raises(InvalidArgumentError, match="holder=True"):
+        CPURegion.create(layout, BUDGET, rank=None, shared_name=shm_name, holder=True)
