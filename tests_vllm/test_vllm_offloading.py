@@ -19,6 +19,7 @@ _, C = prompts(seed=2)
 C = A[:768] + C[768:]  # shares A's first 768 tokens, not B's tail
 SHARED = 768
 LOGPROB_ATOL = 1e-4
+BLOCK_BYTES = 512 * 1024  # a row of the tiny Llama: 4 layers x K,V x 2 heads x 64 x fp32 x 128
 
 
 def _same(got: Result, want: Result) -> None:
@@ -62,6 +63,19 @@ def test_prefix_loaded_from_cpu_tier(
     assert st["file"]["stores"] >= len(A) // 128  # written through for the next instance
 
 
+def test_written_through_blocks_hold_the_workers_bytes(root: Path) -> None:
+    # vLLM builds its worker's KV cache before its scheduler: the worker
+    # attached the shared region first and, unlinking its name, left the
+    # scheduler to map a second, empty region, so write-through stored zeros
+    # (and a second instance loaded them). Runs after the first instance.
+    (data,) = root.glob("*/blocks.dat")
+    slot = 4096 + BLOCK_BYTES
+    raw = data.read_bytes()
+    written = [raw[s + 4096 : s + slot] for s in range(0, len(raw) - slot + 1, slot)]
+    kv = [p for p in written if p.count(0) < len(p) // 2]
+    assert len(kv) >= len(A) // 128 + (len(B) - SHARED) // 128
+
+
 def test_second_instance_loads_from_file_tier(
     model_dir: Path, root: Path, baseline: dict[str, Result], tmp_path: Path
 ) -> None:
@@ -95,7 +109,7 @@ def _damage_every_block(root: Path, block_bytes: int) -> int:
 def test_damaged_block_is_recomputed(
     model_dir: Path, root: Path, baseline: dict[str, Result], tmp_path: Path
 ) -> None:
-    assert _damage_every_block(root, block_bytes=512 * 1024) > 0
+    assert _damage_every_block(root, block_bytes=BLOCK_BYTES) > 0
     stats = tmp_path / "stats.json"
     with instance(model_dir, _extra(root, stats)) as llm:
         c = generate(llm, C)

@@ -222,6 +222,10 @@ class KVTierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
             rank=rank,
             shared_name=name,
             instance=instance,
+            # vLLM builds its workers' KV caches (get_worker) before its
+            # scheduler (get_manager): the workers must keep the region's name
+            # for the scheduler, or it would map a second region of its own.
+            holder=rank is not None,
             alignment=_FILE_ALIGNMENT if cfg.file_tier is not None else None,
         )
 
