@@ -440,6 +440,9 @@ FAILED_OPENS = [
 ]
 
 
+OPENS = 20
+
+
 @pytest.mark.parametrize("name", FAILED_OPENS)
 async def test_a_failed_open_releases_everything(tmp_path: Path, name: str) -> None:
     call = next(row[1] for row in ROWS if row[0] == name)
@@ -456,12 +459,15 @@ async def test_a_failed_open_releases_everything(tmp_path: Path, name: str) -> N
         with pytest.raises(KVTierError):
             await call(ctx)  # once first: caches settle
         gc.collect()
-        before = _mappings(), _descriptors()
-        for _ in range(20):
+        maps, fds = _mappings(), _descriptors()
+        for _ in range(OPENS):
             with pytest.raises(KVTierError):
                 await call(ctx)
         gc.collect()
-        assert (_mappings(), _descriptors()) == before
+        # A leak grows with every open; threads of other parts of the process
+        # (a stack mapping each) come and go by one or two whatever the opens do.
+        assert _mappings() - maps < OPENS // 4
+        assert _descriptors() <= fds
     finally:
         pool.shutdown(wait=False)
 
