@@ -37,9 +37,9 @@ def make_kv(rank: int) -> list[torch.Tensor]:
     return [kv]
 
 
-def layout_of(kv: list[torch.Tensor], rank: int, world: int) -> KVLayout:
+def layout_of(kv: list[torch.Tensor], rank: int, world: int, model: str = "m") -> KVLayout:
     return KVLayout.from_tensors(
-        kv, model_id="m", block_tokens=4, num_blocks=NUM_BLOCKS, tp_rank=rank, tp_size=world
+        kv, model_id=model, block_tokens=4, num_blocks=NUM_BLOCKS, tp_rank=rank, tp_size=world
     )
 
 

@@ -21,7 +21,6 @@ import zmq.asyncio
 from kvtier import (
     BusyError,
     InvalidArgumentError,
-    KVLayout,
     KVTierConfig,
     LayoutError,
     SharedRegionError,
@@ -38,24 +37,9 @@ from kvtier.workers import Worker, WorkerGroup, WorkerThread
 from kvtier.workers.jobs import Hello, Notice, decode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _worker import Held
+from _worker import NUM_BLOCKS, Held, layout_of, make_kv
 
 SCRIPT = Path(__file__).with_name("_worker.py")
-NUM_BLOCKS = 16
-
-
-def make_kv(rank: int) -> list[torch.Tensor]:
-    """As ``_worker.make_kv``: blocks 0-7 seeded by the rank, 8-15 zero."""
-    g = torch.Generator().manual_seed(1000 + rank)
-    kv = torch.zeros(2, NUM_BLOCKS, 4, 64, dtype=torch.uint8)
-    kv[:, :8] = torch.randint(0, 256, (2, 8, 4, 64), dtype=torch.uint8, generator=g)
-    return [kv]
-
-
-def layout_of(kv: list[torch.Tensor], rank: int, world: int, model: str = "m") -> KVLayout:
-    return KVLayout.from_tensors(
-        kv, model_id=model, block_tokens=4, num_blocks=NUM_BLOCKS, tp_rank=rank, tp_size=world
-    )
 
 
 def shm_files(group: WorkerGroup) -> list[str]:
