@@ -786,13 +786,12 @@ class Engine:
         # A key already in the CPU tier (ready or being written) needs no copy; one
         # only in a lower tier is copied anyway: it is hot now, and that tier's
         # write skips it.
-        todo = [k for k in keys if k not in self._cpu]
-        present = len(keys) - len(todo)
+        todo, present, stored = list(keys), 0, 0
         index = {k: i for i, k in enumerate(keys)}
         stream = any(not link.tier.recovering for link in self._chain)
-        stored = 0
         while todo:
-            fresh = [k for k in todo if k not in self._cpu]  # another store took some?
+            # Looked at again each round: another store may have taken some meanwhile.
+            fresh = [k for k in todo if k not in self._cpu]
             present += len(todo) - len(fresh)
             todo = fresh
             if stream:
