@@ -6,7 +6,7 @@ Only the names in ``__all__`` are the public API.
 
 from __future__ import annotations
 
-from kvtier.config import FileTierConfig, KVTierConfig
+from kvtier.config import ClusterTierConfig, FileTierConfig, KVTierConfig
 from kvtier.engine import Engine, EngineStatistics, StoreSummary, TierCounters
 from kvtier.errors import (
     AlignmentError,
@@ -40,6 +40,7 @@ __all__ = [
     "BlockNotFoundError",
     "BusyError",
     "CapacityError",
+    "ClusterTierConfig",
     "ClosedError",
     "ConfigurationError",
     "DirectIOUnsupportedError",

@@ -9,6 +9,7 @@ PUBLIC = {
     "BlockNotFoundError",
     "BusyError",
     "CapacityError",
+    "ClusterTierConfig",
     "ClosedError",
     "ConfigurationError",
     "DirectIOUnsupportedError",
