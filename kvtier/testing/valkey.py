@@ -207,6 +207,44 @@ class ValkeyCluster:
             time.sleep(0.05)
         raise RuntimeError(f"the cluster is not ok after {timeout} s")
 
+    def node_id(self, i: int) -> str:
+        """Cluster node id of server ``i`` (``CLUSTER MYID``)."""
+        return self.cli(i, "cluster", "myid").strip()
+
+    def reshard(self, src: int, dst: int, slots: int, *, timeout: float = 120.0) -> None:
+        """Move ``slots`` hash slots, keys included, from server ``src`` to ``dst``.
+
+        Runs ``valkey-cli --cluster reshard``: per slot, ``SETSLOT IMPORTING``
+        on ``dst``, ``SETSLOT MIGRATING`` on ``src``, ``MIGRATE`` of its keys
+        in batches, then ``SETSLOT NODE`` on both; clients see ASK while a
+        slot moves and MOVED after. Blocks until done.
+
+        Raises
+        ------
+        RuntimeError
+            When ``valkey-cli`` fails.
+        """
+        out = subprocess.run(
+            [
+                str(self.cli_bin),
+                "--cluster",
+                "reshard",
+                f"127.0.0.1:{self.ports[src]}",
+                "--cluster-from",
+                self.node_id(src),
+                "--cluster-to",
+                self.node_id(dst),
+                "--cluster-slots",
+                str(slots),
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            timeout=timeout,
+            check=False,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"valkey-cli --cluster reshard failed: {out.stdout[-2000:]!r}")
+
     @property
     def startup(self) -> list[tuple[str, int]]:
         """``(host, port)`` of every server started, killed ones included."""

@@ -262,6 +262,12 @@ async def open_client(config: ClusterTierConfig) -> ClusterClient:
         client = RedisCluster(
             startup_nodes=[ClusterNode(h, p) for h, p in addrs],
             require_full_coverage=False,
+            # Every 5th MOVED, redis-py would otherwise close every connection
+            # to rebuild its slot map, failing the pipelines in flight on the
+            # other nodes too (thousands of blocks per reshard, measured in
+            # tests/cluster/test_resharding.py); with 0 it patches the map
+            # from each MOVED, and a failed node refreshes it (_refresh_slots).
+            reinitialize_steps=0,
             max_connections=max(8, 2 * config.pipelines_per_node),
             **kwargs,
         )

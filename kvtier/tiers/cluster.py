@@ -139,16 +139,12 @@ class _Counters:
 class ClusterTier(Tier):
     """Blocks on a Valkey/Redis cluster (or one server), shared by every instance of a layout.
 
-    Open with :meth:`open`; close with :meth:`aclose`. Methods are called
-    from the event loop the tier was opened on.
+    The contract, cancellation included, is :class:`~kvtier.tiers.base.Tier`'s;
+    open with :meth:`open`. What differs here:
 
     Notes
     -----
-    **Cancellation.** :meth:`store` and :meth:`load` return a
-    :class:`~kvtier.transfer.completion.Completion` and run in a task of the
-    tier; cancelling a task awaiting the completion does not stop them. A
-    store reads its buffers until the completion is done, a load writes
-    them: keep them reserved until then. A store interrupted by
+    Stores and loads run in a task of the tier. A store interrupted by
     :meth:`aclose` never leaves a half value: a SET is atomic on the server.
 
     **Buffers.** Any contiguous buffer of ``block_bytes`` bytes (no alignment
@@ -233,12 +229,10 @@ class ClusterTier(Tier):
 
     @property
     def block_bytes(self) -> int:
-        """Payload bytes of every block."""
         return self._block_bytes
 
     @property
     def closed(self) -> bool:
-        """True once :meth:`aclose` has started."""
         return self._closed
 
     @property
@@ -276,7 +270,7 @@ class ClusterTier(Tier):
         return n
 
     def is_ready(self, key: bytes) -> bool:
-        """True when ``key`` is in the presence set (and not being written)."""
+        """True when ``key`` is in the presence set (a hint, as for :meth:`lookup`)."""
         return key in self._present
 
     def __contains__(self, key: object) -> bool:
@@ -565,14 +559,8 @@ class ClusterTier(Tier):
         """Forget blocks here and delete them from the cluster in the background.
 
         The deletion is for every instance (the cluster is shared); a GET
-        already sent still gets the value or nothing, never a part.
-
-        Raises
-        ------
-        InvalidArgumentError
-            For bad keys.
-        ClosedError
-            When the tier is closed.
+        already sent still gets the value or nothing, never a part. Only keys
+        in the presence set are deleted.
         """
         self._check_open()
         check_keys(keys)
@@ -594,14 +582,9 @@ class ClusterTier(Tier):
                 continue
 
     async def aclose(self) -> None:
-        """Wait for every transfer in flight, then close the connections; idempotent.
+        """Close the connections once the transfers in flight finished (see :meth:`Tier.aclose`).
 
-        Notes
-        -----
-        Calls made after ``aclose`` started raise
-        :class:`~kvtier.errors.ClosedError`; transfers already running finish
-        (each bounded by ``timeout_s`` per pipeline) and their completions
-        resolve. Cancelling the caller does not stop the close.
+        Each transfer still running is bounded by ``timeout_s`` per pipeline.
         """
         first = not self._closed
         self._closed = True
