@@ -91,6 +91,8 @@ class ValkeyCluster:
     """Port of each server, by index."""
     procs: list[subprocess.Popen[bytes] | None] = field(default_factory=list)
     """The server processes; None once killed or stopped."""
+    password: str | None = field(default=None, repr=False)
+    """The default user's password (``requirepass``), which :meth:`cli` sends."""
 
     @classmethod
     def start(
@@ -100,6 +102,7 @@ class ValkeyCluster:
         clustered: bool = True,
         extra_args: Sequence[str] = (),
         node_timeout_ms: int = 1000,
+        password: str | None = None,
     ) -> ValkeyCluster:
         """Start ``nodes`` servers (a cluster of masters when ``clustered``), ready.
 
@@ -113,6 +116,10 @@ class ValkeyCluster:
             More ``valkey-server`` options, e.g. ``("--maxmemory", "8mb")``.
         node_timeout_ms
             ``cluster-node-timeout``: how soon a dead node is marked failed.
+        password
+            ``requirepass`` of the default user (every server); :meth:`cli`
+            and the cluster tools authenticate with it through the
+            environment, never on a command line.
 
         Raises
         ------
@@ -124,6 +131,9 @@ class ValkeyCluster:
         """
         server, cli = valkey_binaries()
         self = cls(server, cli, Path(tempfile.mkdtemp(prefix="kvtier-valkey-")), clustered)
+        self.password = password
+        if password is not None:
+            extra_args = ["--requirepass", password, *extra_args]
         try:
             for i in range(nodes):
                 self._spawn(i, extra_args, node_timeout_ms)
@@ -163,10 +173,19 @@ class ValkeyCluster:
         self.ports.append(port)
         self.procs.append(proc)
 
+    def _cli_env(self) -> dict[str, str]:
+        # valkey-cli reads the password from the environment: a command line
+        # would show it to every user of the machine (ps).
+        env = dict(os.environ)
+        if self.password is not None:
+            env["VALKEYCLI_AUTH"] = env["REDISCLI_AUTH"] = self.password
+        return env
+
     def cli(self, i: int, *args: str, timeout: float = 10.0) -> str:
         """Run ``valkey-cli`` against server ``i``; its standard output."""
         out = subprocess.run(
             [str(self.cli_bin), "-h", "127.0.0.1", "-p", str(self.ports[i]), *args],
+            env=self._cli_env(),
             capture_output=True,
             timeout=timeout,
             check=False,
@@ -189,6 +208,7 @@ class ValkeyCluster:
         argv = [str(self.cli_bin), "--cluster", "create", *addrs]
         made = subprocess.run(
             [*argv, "--cluster-replicas", "0", "--cluster-yes"],
+            env=self._cli_env(),
             capture_output=True,
             timeout=60,
             check=False,
@@ -238,6 +258,7 @@ class ValkeyCluster:
                 str(slots),
                 "--cluster-yes",
             ],
+            env=self._cli_env(),
             capture_output=True,
             timeout=timeout,
             check=False,

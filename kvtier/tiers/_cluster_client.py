@@ -9,8 +9,9 @@ on Python 3.11, and a fault on one node fails only that node's blocks.
 Every lower-layer error becomes a :class:`~kvtier.errors.TierIOError` with an
 errno (``ETIMEDOUT``, ``ECONNREFUSED``, ``EAGAIN`` for MOVED/ASK/TRYAGAIN
 left after redis-py's own redirection, ``EHOSTDOWN`` for CLUSTERDOWN and
-uncovered slots, ``EIO`` otherwise) or a :class:`~kvtier.errors.CapacityError`
-(the server is out of memory with ``noeviction``), the redis error chained as
+uncovered slots, ``EACCES`` for a command the ACL refuses, ``EIO``
+otherwise) or a :class:`~kvtier.errors.CapacityError` (the server is out
+of memory with ``noeviction``), the redis error chained as
 ``__cause__``. A node that failed at the connection level is left alone for a
 backoff that doubles per failure (``backoff_initial_s`` to ``backoff_max_s``):
 its blocks fail at once meanwhile, without I/O, so a dead node costs the
@@ -39,7 +40,7 @@ from redis.backoff import NoBackoff
 from kvtier.config import ClusterTierConfig
 from kvtier.errors import CapacityError, KVTierError, TierIOError
 
-__all__ = ["ClusterClient", "Faults", "open_client"]
+__all__ = ["ClusterClient", "Faults", "make_client", "open_client"]
 
 log = logging.getLogger("kvtier.cluster_tier")
 
@@ -79,6 +80,9 @@ def map_error(exc: BaseException, node: str, faults: Faults) -> KVTierError:
     elif isinstance(exc, (rx.ConnectionError, ConnectionError, OSError)):
         faults.connection_errors += 1
         err, what = errno.ECONNREFUSED, "connection failed"
+    elif isinstance(exc, rx.NoPermissionError):
+        faults.other += 1
+        err, what = errno.EACCES, "command refused by the user's ACL (NOPERM)"
     elif isinstance(exc, rx.ResponseError) and str(exc).startswith("OOM"):
         return CapacityError(f"node {node} is out of memory (maxmemory, noeviction)")
     else:
@@ -228,6 +232,50 @@ class ClusterClient:
         await self._client.aclose()
 
 
+_AUTH_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM", "HELLO must be called with the client already")
+
+
+def _open_error(exc: Exception, config: ClusterTierConfig) -> KVTierError:
+    """The public error for a failed open: the deepest redis error decides.
+
+    ``RedisCluster.initialize`` wraps what went wrong with its last startup
+    node in a ``RedisClusterException`` ("cannot be connected"): a refused
+    password and a dead node must not both read as the wrong mode. No
+    message here repeats a credential (redis-py's and the server's do not
+    either; the cause stays chained).
+    """
+    root: BaseException = exc
+    while isinstance(root, rx.RedisClusterException) and root.__cause__ is not None:
+        root = root.__cause__
+    text = str(root)
+    if isinstance(root, rx.AuthenticationError | rx.AuthorizationError) or (
+        isinstance(root, rx.ResponseError) and text.startswith(_AUTH_REPLIES)
+    ):
+        user = "the default user" if config.username is None else f"user {config.username!r}"
+        return TierIOError(errno.EACCES, f"cluster tier: authentication as {user} refused")
+    tls = _ssl_error(root)
+    if tls is not None:
+        why = getattr(tls, "verify_message", None) or getattr(tls, "reason", None) or tls
+        return TierIOError(errno.EPROTO, f"cluster tier: TLS handshake refused: {why}")
+    if isinstance(root, rx.ResponseError | rx.RedisClusterException):
+        return TierIOError(
+            errno.EPROTO, f"cluster tier: servers refuse {config.mode!r} mode: {text}"
+        )
+    return map_error(root, ",".join(config.nodes), Faults())
+
+
+def _ssl_error(exc: BaseException) -> ssl.SSLError | None:
+    """The TLS error behind ``exc`` (redis-py raises its ConnectionError from it)."""
+    seen: set[int] = set()
+    at: BaseException | None = exc
+    while at is not None and id(at) not in seen:
+        if isinstance(at, ssl.SSLError):
+            return at
+        seen.add(id(at))
+        at = at.__cause__ or at.__context__
+    return None
+
+
 async def open_client(config: ClusterTierConfig) -> ClusterClient:
     """Connect to the cluster (or server) of ``config`` and check that it answers.
 
@@ -235,8 +283,27 @@ async def open_client(config: ClusterTierConfig) -> ClusterClient:
     ------
     TierIOError
         When no node answers (``ECONNREFUSED``, ``ETIMEDOUT``), authentication
-        fails (``EACCES``), or the servers are not in the mode configured.
+        fails (``EACCES``), the TLS handshake fails (``EPROTO``: certificate
+        not verified, hostname mismatch), or the servers are not in the mode
+        configured (``EPROTO``).
     """
+    client = make_client(config)
+    try:
+        async with asyncio.timeout(config.connect_timeout_s + config.timeout_s):
+            if isinstance(client, RedisCluster):
+                await client.initialize()
+            else:
+                await client.ping()
+    except BaseException as exc:
+        await client.aclose()
+        if isinstance(exc, Exception):
+            raise _open_error(exc, config) from exc
+        raise
+    return ClusterClient(config, client)
+
+
+def make_client(config: ClusterTierConfig) -> Redis | RedisCluster:
+    """The redis-py client for ``config``, not yet connected (credentials and TLS in it)."""
     kwargs: dict[str, Any] = {
         "username": config.username,
         "password": None if config.password is None else config.password.get_secret_value(),
@@ -274,21 +341,4 @@ async def open_client(config: ClusterTierConfig) -> ClusterClient:
     else:
         host, port = addrs[0]
         client = Redis(host=host, port=port, **kwargs)
-    try:
-        async with asyncio.timeout(config.connect_timeout_s + config.timeout_s):
-            if isinstance(client, RedisCluster):
-                await client.initialize()
-            else:
-                await client.ping()
-    except BaseException as exc:
-        await client.aclose()
-        if isinstance(exc, rx.AuthenticationError | rx.AuthorizationError):
-            raise TierIOError(errno.EACCES, "cluster tier: authentication refused") from exc
-        if isinstance(exc, rx.ResponseError | rx.RedisClusterException):
-            raise TierIOError(
-                errno.EPROTO, f"cluster tier: servers refuse {config.mode!r} mode: {exc}"
-            ) from exc
-        if isinstance(exc, Exception):
-            raise map_error(exc, ",".join(config.nodes), Faults()) from exc
-        raise
-    return ClusterClient(config, client)
+    return client
