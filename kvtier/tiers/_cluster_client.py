@@ -27,7 +27,7 @@ import errno
 import logging
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,8 +179,14 @@ class ClusterClient:
         ]
         return plans, failed
 
-    async def run(self, node: str, commands: Sequence[Command]) -> list[Any]:
+    async def run(
+        self, node: str, commands: Sequence[Command] | Callable[[], Sequence[Command]]
+    ) -> list[Any]:
         """Send ``commands`` to ``node`` as one pipeline; one result or exception each.
+
+        ``commands`` may be a function that makes them: it is called once the
+        pipeline may go (its node's bound on pipelines in flight allows it),
+        so that the values of a large store are not all built at once.
 
         Raises
         ------
@@ -197,7 +203,7 @@ class ClusterClient:
                 if self._cluster:
                     await self._refresh_slots()
             pipe = self._client.pipeline(transaction=False)
-            for cmd in commands:
+            for cmd in commands() if callable(commands) else commands:
                 pipe.execute_command(*cmd)
             self.faults.round_trips += 1
             try:

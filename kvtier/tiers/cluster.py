@@ -174,8 +174,7 @@ class ClusterTier(Tier):
         self._counts = _Counters()
         self._spare: list[bytearray] = []
         # Value buffers kept for reuse: what the pipelines in flight hold at most.
-        per_pipe = max(1, int(config.max_inflight_bytes) // self._value_bytes)
-        self._spare_max = per_pipe * config.pipelines_per_node * len(config.nodes)
+        self._per_pipe = max(1, int(config.max_inflight_bytes) // self._value_bytes)
 
     # -- opening ------------------------------------------------------------------------
 
@@ -412,11 +411,19 @@ class ClusterTier(Tier):
             stamp = int(time.time())
 
             async def one(node: str, idx: list[int]) -> None:
-                values = [self._value(keys[i], views[i], stamp) for i in idx]
+                values: list[bytearray] = []
+
+                def commands() -> list[tuple[Any, ...]]:
+                    # Built when the pipeline may go, not when the store is
+                    # called: the values in existence stay within what the
+                    # pipelines in flight hold, so the spare buffers cover
+                    # them (a 128 MiB store built every value at once and
+                    # paid a page fault per 4 KiB of each).
+                    values.extend(self._value(keys[i], views[i], stamp) for i in idx)
+                    return [("SET", rkeys[i], v) for i, v in zip(idx, values, strict=True)]
+
                 try:
-                    res = await self._client.run(
-                        node, [("SET", rkeys[i], v) for i, v in zip(idx, values, strict=True)]
-                    )
+                    res = await self._client.run(node, commands)
                 except KVTierError as exc:
                     for i in idx:
                         failed[keys[i]] = exc
@@ -424,8 +431,9 @@ class ClusterTier(Tier):
                 finally:
                     # Sent (or abandoned): the buffers serve the next pipeline,
                     # which spares an allocation and its page faults per block.
-                    if len(self._spare) < self._spare_max:
-                        self._spare.extend(values[: self._spare_max - len(self._spare)])
+                    room = self._spare_max() - len(self._spare)
+                    if room > 0:
+                        self._spare.extend(values[:room])
                 for i, r in zip(idx, res, strict=True):
                     if isinstance(r, BaseException):
                         failed[keys[i]] = self._client.error(r, node)
@@ -604,6 +612,10 @@ class ClusterTier(Tier):
         await self.aclose()
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _spare_max(self) -> int:
+        nodes = max(len(self._config.nodes), self._client.node_count())
+        return self._per_pipe * self._config.pipelines_per_node * nodes
 
     def _remember(self, key: bytes) -> None:
         present = self._present
