@@ -39,6 +39,7 @@ __all__ = [
     "FileTierConfig",
     "IOEngineName",
     "KVTierConfig",
+    "QueueDepth",
     "RecoveryMode",
     "WritePolicy",
 ]
@@ -49,6 +50,26 @@ IOEngineName = Literal["auto", "io_uring", "threads"]
 DirectIOMode = Literal["auto", "require", "off"]
 DurabilityMode = Literal["none", "fsync"]
 RecoveryMode = Literal["foreground", "background"]
+
+MAX_QUEUE_DEPTH = 4096
+"""Largest queue depth accepted (the io_uring ring's entries)."""
+
+
+def _queue_depth(value: object) -> object:
+    """``"auto"`` or an int of 1..4096 (never a bool, never a numeric string)."""
+    if value == "auto" and isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"Input should be an int from 1 to {MAX_QUEUE_DEPTH} or 'auto'")
+    if value < 1:
+        raise ValueError("Input should be greater than or equal to 1")
+    if value > MAX_QUEUE_DEPTH:
+        raise ValueError(f"Input should be less than or equal to {MAX_QUEUE_DEPTH}")
+    return value
+
+
+QueueDepth = Annotated[int | Literal["auto"], BeforeValidator(_queue_depth)]
+"""A queue depth: an int of 1..4096, or ``"auto"`` (measured at open)."""
 
 
 def _invalid(model: str, problems: list[tuple[str, str]]) -> ConfigurationError:
@@ -137,8 +158,10 @@ class FileTierConfig(_Frozen):
     direct_io: DirectIOMode = "auto"
     """``require``: fail where O_DIRECT is refused; ``auto``: fall back to buffered
     I/O with a warning; ``off``: buffered I/O."""
-    queue_depth: int = Field(default=32, ge=1, le=4096)
-    """Most I/O requests in flight at once."""
+    queue_depth: QueueDepth = "auto"
+    """Most I/O requests in flight at once: an int of 1..4096, or ``auto``, which
+    measures the depths 1 to 32 on the tier's own slot file at open and takes the
+    fastest (32 where the file is too small to measure or is not O_DIRECT)."""
     durability: DurabilityMode = "none"
     """``fsync``: the slot file is fsynced before a written block becomes visible
     (survives power loss; one flush per group of blocks written meanwhile);

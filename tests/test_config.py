@@ -25,7 +25,7 @@ def test_defaults() -> None:
         "write_through",
         "auto",
         "auto",
-        32,
+        "auto",
         "none",
     )
 

@@ -353,9 +353,8 @@ class FileTier(Tier):
         tier: FileTier | None = None
         try:
             owns = io_engine is None
-            engine = io_engine or await open_io_engine(
-                config.io_engine, queue_depth=config.queue_depth
-            )
+            depth = 32 if config.queue_depth == "auto" else config.queue_depth
+            engine = io_engine or await open_io_engine(config.io_engine, queue_depth=depth)
             manager = ResidencyManager(
                 prepared.slots,
                 policy=config.eviction_policy,
