@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -228,6 +229,11 @@ def _inspect(args: argparse.Namespace) -> int:
 
     from kvtier._inspect import inspect_root
 
+    if args.cluster is not None:
+        return _inspect_cluster(args)
+    if args.root is None:
+        raise InvalidArgumentError("inspect: give a file tier ROOT or --cluster URL")
+
     reports = inspect_root(args.root, verify=args.verify)
     bad = sum(len(r.bad) for r in reports)
     if args.json:
@@ -282,6 +288,25 @@ def _inspect(args: argparse.Namespace) -> int:
         for b in r.bad:
             console.print(f"[red]bad[/red] {escape(b.path)}: {escape(b.reason)}")
     return 1 if bad else 0
+
+
+def _inspect_cluster(args: argparse.Namespace) -> int:
+    from kvtier._cluster_inspect import config_from_cli, inspect_cluster, render
+
+    config = config_from_cli(
+        args.cluster,
+        mode=args.mode,
+        username=args.user,
+        password_file=args.password_file,
+        tls_ca_file=args.tls_ca_file,
+        environ=os.environ,
+    )
+    report = asyncio.run(inspect_cluster(config, prefix=args.prefix, max_keys=args.max_keys))
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        render(report, ",".join(config.nodes), print)
+    return 0
 
 
 def _when(t: float | None) -> str:
@@ -425,8 +450,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
     bench.set_defaults(func=_bench)
 
-    insp = sub.add_parser("inspect", help="what a file tier root holds")
-    insp.add_argument("root", type=Path, help="the file tier root")
+    insp = sub.add_parser(
+        "inspect",
+        help="what a file tier root, or a cluster tier's cluster, holds",
+        description="A file tier root (ROOT), or with --cluster the kvtier blocks on a "
+        "Valkey/Redis cluster per tenant prefix and namespace (SCAN, read only). The "
+        "cluster's password is read from $KVTIER_CLUSTER_PASSWORD or --password-file, "
+        "never from the command line.",
+    )
+    insp.add_argument("root", type=Path, nargs="?", help="the file tier root")
+    insp.add_argument(
+        "--cluster",
+        metavar="URL",
+        help="redis://host:port[,host:port...] (rediss:// for TLS) of the cluster tier",
+    )
+    insp.add_argument("--prefix", help="tenant prefix to count (default: every key)")
+    insp.add_argument("--mode", choices=["cluster", "single"], default="cluster")
+    insp.add_argument("--user", help="ACL user (or $KVTIER_CLUSTER_USERNAME)")
+    insp.add_argument("--password-file", help="file whose first line is the password")
+    insp.add_argument("--tls-ca-file", help="CA bundle that verifies the servers (implies TLS)")
+    insp.add_argument(
+        "--max-keys", type=int, default=1_000_000, help="stop the SCAN after this many keys"
+    )
     insp.add_argument(
         "--verify",
         action="store_true",

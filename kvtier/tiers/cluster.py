@@ -62,6 +62,25 @@ if TYPE_CHECKING:
 __all__ = ["ClusterTier", "ClusterTierConfig", "ClusterTierStatistics"]
 
 
+async def open_cluster_client(config: ClusterTierConfig) -> ClusterClient:
+    """Connect to the cluster of ``config`` (for the tier and ``kvtier inspect``).
+
+    Raises
+    ------
+    ConfigurationError
+        When the ``redis`` client is not installed (``kvtier[cluster]``).
+    TierIOError
+        As :meth:`ClusterTier.open`.
+    """
+    try:
+        from kvtier.tiers._cluster_client import open_client
+    except ImportError as exc:
+        raise ConfigurationError(
+            "the cluster tier needs the redis client: pip install kvtier[cluster]"
+        ) from exc
+    return await open_client(config)
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterTierStatistics:
     """State and counters of one :class:`ClusterTier` instance (not of the cluster)."""
@@ -215,13 +234,7 @@ class ClusterTier(Tier):
             raise InvalidArgumentError(f"namespace must be {KEY_BYTES} bytes, got {namespace!r}")
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
             raise InvalidArgumentError(f"block_bytes must be a positive int, got {block_bytes!r}")
-        try:
-            from kvtier.tiers._cluster_client import open_client
-        except ImportError as exc:
-            raise ConfigurationError(
-                "the cluster tier needs the redis client: pip install kvtier[cluster]"
-            ) from exc
-        client = await open_client(config)
+        client = await open_cluster_client(config)
         return cls(config, client, namespace, block_bytes)
 
     # -- capabilities and queries (no I/O) ----------------------------------------------

@@ -9,6 +9,7 @@ stopped by its pid at teardown, with bounded waits. Without
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -31,34 +32,35 @@ def _start(**kw: Any) -> ValkeyCluster:
         pytest.skip(str(exc))
 
 
-@pytest.fixture(scope="session")
-def valkey_cluster() -> Iterator[ValkeyCluster]:
-    """Three masters on loopback, slots spread, shared by the session's tests."""
-    cluster = _start(nodes=3)
+@contextlib.contextmanager
+def running(**kw: Any) -> Iterator[ValkeyCluster]:
+    """Servers started with ``ValkeyCluster.start(**kw)``, stopped by pid on exit."""
+    cluster = _start(**kw)
     try:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster() -> Iterator[ValkeyCluster]:
+    """Three masters on loopback, slots spread, shared by the session's tests."""
+    with running(nodes=3) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")
 def valkey_single() -> Iterator[ValkeyCluster]:
     """One server not in cluster mode, shared by the session's tests."""
-    server = _start(nodes=1, clustered=False)
-    try:
+    with running(nodes=1, clustered=False) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
 def private_cluster() -> Iterator[ValkeyCluster]:
     """A three-node cluster of one test's own (to kill nodes of)."""
-    cluster = _start(nodes=3)
-    try:
+    with running(nodes=3) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 StartServer = Callable[..., ValkeyCluster]

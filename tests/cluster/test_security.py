@@ -33,7 +33,7 @@ from kvtier.testing.valkey import ValkeyCluster
 from kvtier.tiers._cluster_client import make_client
 from kvtier.tiers.cluster import ClusterTier
 
-from .conftest import BLOCK, NAMESPACE, _start, config_for
+from .conftest import BLOCK, NAMESPACE, config_for, running
 from .test_faults import check_loaded
 
 SECRET = "Sup3r-s3cret-pw"
@@ -44,15 +44,12 @@ USER_SECRET = "al1ce-s3cret-pw"
 def auth_servers(request: pytest.FixtureRequest) -> Iterator[ValkeyCluster]:
     """Servers with a default-user password; ACL users ``alice`` (all), ``reader`` (no SET)."""
     clustered = request.param == "cluster"
-    servers = _start(nodes=3 if clustered else 1, clustered=clustered, password=SECRET)
-    try:
+    with running(nodes=3 if clustered else 1, clustered=clustered, password=SECRET) as servers:
         for i in range(len(servers.ports)):
             for user, rules in (("alice", ["+@all"]), ("reader", ["+@all", "-set"])):
                 out = servers.cli(i, "acl", "setuser", user, "on", f">{USER_SECRET}", "~*", *rules)
                 assert out.strip() == "OK", out
         yield servers
-    finally:
-        servers.stop()
 
 
 def shown(*things: object) -> str:
@@ -186,11 +183,8 @@ async def tls_proxy(port: int, cert: Path, key: Path) -> AsyncIterator[int]:
 
 @pytest.fixture(scope="module")
 def tls_server() -> Iterator[ValkeyCluster]:
-    server = _start(nodes=1, clustered=False, password=SECRET)
-    try:
+    with running(nodes=1, clustered=False, password=SECRET) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def tls_config(port: int, **kw: Any) -> ClusterTierConfig:
