@@ -236,6 +236,32 @@ class _Job:
     keys: tuple[bytes, ...]
     done: Completion[None]
     ok: set[bytes] = field(default_factory=set)
+    claims: list[_Load] = field(default_factory=list)
+    """Loads waiting for these blocks. Each takes its own (pins them, starts
+    their copy) when the job finishes, before ``done`` resolves: nothing else
+    runs in between that could evict them (:meth:`Engine._finish`)."""
+
+
+@dataclass(slots=True, eq=False)
+class _Load:
+    """One :meth:`Engine.load` under way."""
+
+    index: dict[bytes, int]
+    """Position of each key in the call."""
+    ids: _Ids
+    skip: int
+    end: int
+    """Where the prefix ends: the first key known to be a miss (else all keys)."""
+    todo: list[bytes]
+    """Keys not started yet (waiting for rows to be promoted into), in call order."""
+    waits: dict[_Job, list[bytes]] = field(default_factory=dict)
+    """Jobs in flight (stores, promotions) and the keys this load takes from each."""
+    promoted: set[bytes] = field(default_factory=set)
+    """Keys this load promoted itself: if the read fails, they are misses."""
+    copies: list[Completion[None]] = field(default_factory=list)
+    """Its copies to the device, each done once its rows are unpinned."""
+    error: BaseException | None = None
+    """The first failed copy's error."""
 
 
 class Engine:
@@ -259,6 +285,8 @@ class Engine:
     ``write_back`` writes a row to its file only when the CPU tier evicts it.
     Loads copy CPU rows to the device; a block only on file is first promoted
     into a CPU row, once, however many loads ask for it at the same time.
+    Stores and loads of more blocks than the CPU tier has rows stream through
+    them, awaiting room (:meth:`store`, :meth:`load`).
 
     *Pinning.* A block being loaded is pinned in its tier until the copy that
     reads it has finished; a pinned block is never evicted. A block being
@@ -830,10 +858,12 @@ class Engine:
             self._cpu.complete_store(plan.keys, ok)
             for k in plan.keys:
                 self._inflight.pop(k, None)
-            if ok:
-                job.ok.update(plan.keys)
-                self._write_down(plan.keys, self._chain)
-            job.done.set_result(None)
+            try:
+                if ok:
+                    job.ok.update(plan.keys)
+                    self._write_down(plan.keys, self._chain)
+            finally:
+                self._finish(job)
 
         copy = self._after_claim(plan, lambda: self._xfer.store(chosen, plan.slots))
         copy.add_done_callback(copied)
@@ -1030,11 +1060,15 @@ class Engine:
         Returns
         -------
         int
-            The number of leading keys whose bytes are now on the device. It is
-            ``len(keys)`` unless a tier failed under the load (an I/O error, a
-            checksum mismatch, a block that vanished from a shared tier, a
-            cluster node down); the first such block and those after it are
-            misses and the caller recomputes them.
+            The number of leading keys whose bytes are now on the device. A
+            load is a prefix: the first block that cannot be loaded ends it,
+            and that block and those after it are misses that the caller
+            recomputes (their device blocks may have been written meanwhile).
+            It is ``len(keys)`` unless a tier failed under the load (an I/O
+            error, a checksum mismatch, a block that vanished from a shared
+            tier, a cluster node down), or a block left every tier between
+            the call and its turn (evicted by other work). However many blocks
+            that is, the size of the CPU tier does not cut it short.
 
         Raises
         ------
@@ -1043,15 +1077,32 @@ class Engine:
         InvalidArgumentError
             For bad keys, ``skip`` or block ids. Nothing is changed.
         TransferError
-            When the copy to the device fails.
+            When a copy to the device fails; raised once every copy this call
+            started has ended.
         ClosedError
-            After :meth:`aclose`.
+            After :meth:`aclose`; also when the engine closes while this load
+            still has blocks to promote.
 
         Notes
         -----
-        Every block read is pinned until the copy reading it has finished, also
-        when the awaiting task is cancelled. A cancelled load's copy still runs
-        to its end and writes the device blocks: :meth:`flush` waits for it.
+        *More blocks than the CPU tier can take at once.* Every block reaches
+        the device through a CPU row. The blocks ready in the CPU tier are
+        pinned and copied at once, before the call first yields; the others
+        are promoted from the highest tier of the chain that has them, in key
+        order, in windows that fit the free or evictable rows, and each window
+        is copied to the device as soon as it is read, its rows released when
+        the copy ends (the blocks stay in the CPU tier as long as the eviction
+        policy keeps them). Meanwhile the call awaits room (back-pressure)
+        instead of cutting the prefix short: ``lookup`` reporting N blocks,
+        then a load of those N delivers N when nothing changed in between.
+        Concurrent loads and stores share the rows without deadlock: a row is
+        only ever held by work that runs on hardware and ends by itself.
+
+        *Pinning and cancellation.* Every block read is pinned until the copy
+        reading it has finished, also when the awaiting task is cancelled. A
+        cancelled load's copies still run to their end and write the device
+        blocks (:meth:`flush` waits for them), and the promotions it started
+        still complete into CPU rows; nothing new starts.
         """
         self._check_open()
         check_keys(keys)
@@ -1065,65 +1116,128 @@ class Engine:
         self._n["loads"] += 1
         if not keys:
             return 0
-        # Classify synchronously: wait on a job in flight, read a ready CPU row, or
-        # promote from the highest tier of the chain that has the block; a key
-        # in none of them fails the whole call.
-        waits: list[_Job] = []
-        promote: dict[int, list[bytes]] = {}
-        ready: list[bytes] = []
-        chain = self._chain
         for k in keys:
+            if k not in self._inflight and not self._cpu.is_ready(k) and self._tier_of(k) is None:
+                raise BlockNotFoundError(f"block {k.hex()} is in no tier")
+        self._cpu.touch(keys)
+        st = _Load({k: i for i, k in enumerate(keys)}, ids, skip, len(keys), list(keys))
+        try:
+            # The first round runs before the first await: what is ready now is
+            # pinned and its copy started, so a lookup just before cannot lose it.
+            while self._load_round(st):
+                await self._load_wait(st)
+            if st.copies:
+                await _wait(st.copies)
+        finally:
+            for job in st.waits:
+                job.claims.remove(st)
+            st.waits.clear()
+        if st.error is not None:
+            raise st.error
+        if st.end < len(keys):
+            self._n["load_shortfalls"] += len(keys) - st.end
+        return st.end
+
+    def _load_round(self, st: _Load) -> bool:
+        """Start what a load can start now; True while it has something to wait for.
+
+        Synchronous: nothing changes between a look at a block and the pin or
+        the promotion that acts on it.
+        """
+        if st.error is not None:
+            return False
+        if st.todo and self._closed:
+            raise ClosedError("the engine closed during the load")
+        ready: list[bytes] = []
+        promote: list[tuple[bytes, int]] = []
+        for k in st.todo:
             job = self._inflight.get(k)
             if job is not None:
-                waits.append(job)
+                self._wait_on(st, job, [k])
             elif self._cpu.is_ready(k):
                 ready.append(k)
+            elif (tier := self._tier_of(k)) is not None:
+                promote.append((k, tier))
             else:
-                for i, link in enumerate(chain):
-                    if link.tier.is_ready(k):
-                        promote.setdefault(i, []).append(k)
-                        break
-                else:
-                    raise BlockNotFoundError(f"block {k.hex()} is in no tier")
-        # Pin what is ready now, so nothing evicts it while other blocks arrive.
-        pinned = list(self._cpu.prepare_load(ready).keys) if ready else []
-        try:
-            for i, some in promote.items():
-                waits.append(self._promote(i, some))
-            self._cpu.touch(keys)
-            for job in dict.fromkeys(waits):
-                await job.done
-            # Pin the rest of the prefix; no await between the check and the pin.
-            held = set(pinned)
-            later = []
-            n = 0
-            for k in keys:
-                if k not in held:
-                    if not self._cpu.is_ready(k):
-                        break
-                    later.append(k)
-                n += 1
-            if later:
-                pinned += self._cpu.prepare_load(later).keys
-        except BaseException:
-            self._cpu.complete_load(pinned)
-            raise
-        extra = [k for k in pinned if k not in set(keys[:n])]
-        if extra:
-            self._cpu.complete_load(extra)
-        if n < len(keys):
-            self._n["load_shortfalls"] += len(keys) - n
-        if n == 0:
-            return 0
-        used = keys[:n]
-        slots = [s for k in used if (s := self._cpu.slot_of(k)) is not None]
-        if len(slots) != n:  # pragma: no cover - pinned blocks always have a slot
-            self._cpu.complete_load(used)
-            raise ProtocolError("a pinned CPU block lost its row")
+                st.end = min(st.end, st.index[k])  # it left every tier since the call
+                break
+        if ready:
+            self._deliver(st, ready)  # pinned before a promotion below could evict them
+        st.todo = self._promote_some(st, [(k, t) for k, t in promote if st.index[k] < st.end])
+        return bool(st.todo) or any(st.index[k] < st.end for ks in st.waits.values() for k in ks)
+
+    async def _load_wait(self, st: _Load) -> None:
+        """Wait until a copy or a job of the load ends, or, while it needs rows, any work."""
+        running = [c for c in st.copies if not c.done()]
+        running += [job.done for job in st.waits if not job.done.done()]
+        if st.todo:
+            # Every row that is not free is held by a copy, a promotion, a store
+            # or a tier write in flight; the first to end may free one.
+            running += [c for c in (*self._writes, *self._pending) if not c.done()]
+        if running:
+            await _wait(running, first=True)
+        elif st.todo:  # pragma: no cover - a row held by nothing running is a leaked pin
+            log.error("load: no CPU row frees up for %d blocks; they are misses", len(st.todo))
+            st.end = min(st.end, st.index[st.todo[0]])
+            st.todo.clear()
+
+    def _promote_some(self, st: _Load, todo: list[tuple[bytes, int]]) -> list[bytes]:
+        """Promote the leading ``(key, tier)`` of ``todo`` that rows can take; the rest."""
+        half = max(1, self._cpu.capacity // 2)
+        while todo and (room := self._room()):
+            # Past the room, windows of half the tier: one window is read while
+            # the one before is copied to the device.
+            window = todo if len(todo) <= room else todo[: min(room, half)]
+            placed: set[bytes] = set()
+            for tier in sorted({t for _k, t in window}):
+                job = self._promote(tier, [k for k, t in window if t == tier])
+                if job is not None:
+                    placed.update(job.keys)
+                    st.promoted.update(job.keys)
+                    self._wait_on(st, job, job.keys)
+            if not placed:
+                break
+            todo = [(k, t) for k, t in todo if k not in placed]
+        return [k for k, _t in todo]
+
+    def _wait_on(self, st: _Load, job: _Job, keys: Sequence[bytes]) -> None:
+        """The load takes ``keys`` from ``job`` when it finishes (:meth:`_claim`)."""
+        mine = st.waits.get(job)
+        if mine is None:
+            mine = st.waits[job] = []
+            job.claims.append(st)
+        mine.extend(keys)
+
+    def _claim(self, st: _Load, job: _Job) -> None:
+        """``job`` has finished: pin the blocks the load waits for and copy them.
+
+        Runs in the job's completion callback right after its blocks became
+        ready, so nothing can evict them before they are pinned.
+        """
+        got: list[bytes] = []
+        retry: list[bytes] = []
+        for k in st.waits.pop(job, []):
+            if k in job.ok and self._cpu.is_ready(k):
+                got.append(k)
+            elif k in st.promoted:
+                st.end = min(st.end, st.index[k])  # its read failed: a miss ends the prefix
+            else:
+                retry.append(k)  # another call's store or promotion failed: look again
+        if retry:
+            st.todo = sorted({*st.todo, *retry}, key=st.index.__getitem__)
+        got = [k for k in got if st.index[k] < st.end]
+        if got:
+            self._deliver(st, got)
+
+    def _deliver(self, st: _Load, keys: list[bytes]) -> None:
+        """Pin ready blocks of a load and start their copy; unpinned when it ends."""
+        keys.sort(key=st.index.__getitem__)
+        slots = self._cpu.prepare_load(keys).slots
+        where = [st.index[k] for k in keys]
+        ids = _window_ids(st.ids, where, self._bpc, st.skip)
+        skip = st.skip if where[0] == 0 else 0
         self._t_cpu.begin(False)
-        copy = _guarded(
-            lambda: self._xfer.load(slots, _prefix_ids(ids, n * self._bpc - skip), skip)
-        )
+        copy = _guarded(lambda: self._xfer.load(slots, ids, skip))
         block_bytes = self._row_bytes
         # What flush waits for: done only after the rows are unpinned, not when
         # the copy is (its done callbacks run a loop iteration later).
@@ -1131,28 +1245,46 @@ class Engine:
 
         def copied(c: Completion[None]) -> None:
             try:
-                self._cpu.complete_load(used)
-                self._t_cpu.end(False, n if c.exception() is None else 0, block_bytes)
+                self._cpu.complete_load(keys)
+                exc = c.exception()
+                self._t_cpu.end(False, len(keys) if exc is None else 0, block_bytes)
+                if exc is not None and st.error is None:
+                    st.error = exc
             finally:
                 settled.set_result(None)  # never leave flush waiting
 
         copy.add_done_callback(copied)
         self._track(settled)
-        await copy
-        return n
+        st.copies.append(settled)
 
-    def _promote(self, index: int, keys: list[bytes]) -> _Job:
-        """Start reading blocks of tier ``index`` of the chain into CPU rows; one job.
+    def _finish(self, job: _Job) -> None:
+        """Hand the blocks of a finished job to the loads waiting for them; resolve it."""
+        claims, job.claims = job.claims, []
+        try:
+            for st in claims:
+                self._claim(st, job)
+        finally:
+            job.done.set_result(None)
 
-        With ``promote_up``, the blocks that arrive are then given to the
-        tiers above it (written through, or marked dirty for write-back).
+    def _tier_of(self, key: bytes) -> int | None:
+        """Index in the chain of the highest tier that has ``key`` ready, or None."""
+        for i, link in enumerate(self._chain):
+            if link.tier.is_ready(key):
+                return i
+        return None
+
+    def _promote(self, index: int, keys: list[bytes]) -> _Job | None:
+        """Start reading blocks of tier ``index`` into CPU rows: one job, or None without room.
+
+        The job covers the leading keys that rows could be found for. With
+        ``promote_up``, the blocks that arrive are then given to the tiers
+        above it (written through, or marked dirty for write-back).
         """
         link = self._chain[index]
-        job = _Job(tuple(keys), Completion())
         plan = self._place(keys)
-        if plan is None:
-            job.done.set_result(None)  # no room: these keys are misses for this load
-            return job
+        if plan is None or not plan.keys:
+            return None
+        job = _Job(plan.keys, Completion())
         for k in plan.keys:
             self._inflight[k] = job
         rows = [self._region.row(s) for s in plan.slots]
@@ -1199,7 +1331,7 @@ class Engine:
                 if good and link.promote_up:
                     self._write_down(good, self._chain[:index])
             finally:
-                job.done.set_result(None)
+                self._finish(job)
 
         self._after_claim(plan, start).add_done_callback(finished)
         self._track(job.done)
@@ -1342,5 +1474,11 @@ def _chunk_ids(ids: _Ids, chunks: list[int], bpc: int) -> _Ids:
     return {g: a[sel] for g, a in ids.items()}
 
 
-def _prefix_ids(ids: _Ids, count: int) -> _Ids:
-    return {g: a[:count] for g, a in ids.items()}
+def _window_ids(ids: _Ids, where: list[int], bpc: int, skip: int) -> _Ids:
+    """The device ids of the offloaded blocks at positions ``where`` (ascending) of a load.
+
+    The first block of the load has ``bpc - skip`` ids, every other ``bpc``.
+    """
+    at = (np.asarray(where, dtype=np.int64)[:, None] * bpc + np.arange(bpc) - skip).ravel()
+    at = at[at >= 0]
+    return {g: a[at] for g, a in ids.items()}

@@ -140,6 +140,22 @@ async def test_cpu_then_cluster_streams_and_loads(valkey_cluster: ValkeyCluster)
         assert st.cluster.round_trips > 0
 
 
+async def test_a_load_larger_than_the_cpu_tier_streams_from_the_cluster(
+    valkey_cluster: ValkeyCluster,
+) -> None:
+    cluster = config_for(valkey_cluster)
+    async with engine_on(cluster) as (first, kv1), engine_on(cluster) as (second, kv2):
+        keys = keys_for(first, 40, salt=6)
+        await store_keys(first, kv1, keys)  # 40 blocks through 8 CPU rows
+        assert await second.refresh(keys) == 40
+        assert second.statistics().cpu.ready == 0
+        # The second engine's 8 rows take the blocks window after window.
+        assert await second.load(keys, list(range(40))) == 40
+        assert all(holds(kv2, b, k) for b, k in enumerate(keys))
+        st = second.statistics()
+        assert (st.promotions, st.load_shortfalls, st.cpu.pinned) == (40, 0, 0)
+
+
 async def test_a_second_engine_loads_through_refresh(valkey_cluster: ValkeyCluster) -> None:
     cluster = config_for(valkey_cluster)
     async with engine_on(cluster) as (first, kv1), engine_on(cluster) as (second, kv2):
@@ -226,7 +242,9 @@ async def test_vanished_and_damaged_blocks_are_misses(
         assert st.cluster.vanished == 1
         assert st.load_shortfalls == 6
         assert engine.lookup(keys) == 2
-        assert await load_checked(engine, kv, keys[3:8]) == 2  # stops at the damaged one
+        # 5 blocks, or 2 when the first load read keys[5] ahead (and dropped it) already.
+        hits = engine.lookup(keys[3:8])
+        assert await load_checked(engine, kv, keys[3 : 3 + hits]) == 2  # stops at the damaged one
         st = engine.statistics()
         assert st.cluster is not None
         assert st.cluster.verification_failures == 1

@@ -28,7 +28,7 @@ from kvtier.engine import Engine
 from kvtier.testing.faults import FaultPlan, FaultyIOEngine
 from kvtier.transfer.io_engine import IOEngine, open_io_engine
 
-NUM_BLOCKS = 64
+NUM_BLOCKS = 96
 
 
 def make_kv(kind: str = "kv_first") -> list[torch.Tensor]:
@@ -217,8 +217,8 @@ async def test_load_of_unknown_keys_is_typed_and_changes_nothing(tmp_path: Path)
     [
         pytest.param(lambda e, k: e.store(k, [0]), "expected 2 device block ids", id="count"),
         pytest.param(lambda e, k: e.store(k, [0, 0]), "duplicate", id="dup-ids"),
-        pytest.param(lambda e, k: e.store(k, [0, NUM_BLOCKS]), r"\[0, 64\)", id="range"),
-        pytest.param(lambda e, k: e.store(k, [-1, 2]), r"\[0, 64\)", id="negative"),
+        pytest.param(lambda e, k: e.store(k, [0, NUM_BLOCKS]), rf"\[0, {NUM_BLOCKS}\)", id="range"),
+        pytest.param(lambda e, k: e.store(k, [-1, 2]), rf"\[0, {NUM_BLOCKS}\)", id="negative"),
         pytest.param(lambda e, k: e.store([k[0], k[0]], [0, 1]), "duplicate keys", id="dup"),
         pytest.param(lambda e, k: e.store(["a", "b"], [0, 1]), "16 bytes", id="key-type"),
         pytest.param(lambda e, k: e.store([b"short", k[1]], [0, 1]), "16 bytes", id="key-len"),
@@ -265,6 +265,26 @@ async def test_cancellation_leaves_no_pins(tmp_path: Path) -> None:
         assert await engine.load(keys, [2, 3]) == 2
 
 
+def damage(tmp_path: Path, keys: list[bytes] | None = None) -> int:
+    """Flip a payload byte of each block on file (of ``keys`` only, if given); how many."""
+    (data_file,) = (tmp_path / "tier").glob("*/blocks.dat")
+    desc = json.loads((data_file.parent / "namespace.json").read_text())
+    slot_bytes = desc["slot_bytes"]
+    flipped = 0
+    with data_file.open("r+b") as f:
+        for offset in range(0, data_file.stat().st_size, slot_bytes):
+            f.seek(offset)
+            header = f.read(64)  # the key is at bytes 24..40 (kvtier.tiers._format)
+            if not any(header) or (keys is not None and header[24:40] not in keys):
+                continue  # a free slot, or a block left alone
+            f.seek(offset + slot_bytes - 100)
+            byte = f.read(1)[0]
+            f.seek(offset + slot_bytes - 100)
+            f.write(bytes([byte ^ 0xFF]))
+            flipped += 1
+    return flipped
+
+
 async def test_corrupt_file_degrades_to_miss(tmp_path: Path) -> None:
     async with engine_for(tmp_path, cpu_rows=2) as (engine, kv):
         keys = keys_for(engine, 2)
@@ -273,21 +293,7 @@ async def test_corrupt_file_degrades_to_miss(tmp_path: Path) -> None:
         await engine.flush()
         await engine.store(keys_for(engine, 2, 1), [2, 3])  # evict from the CPU tier
         await engine.flush()
-        (data_file,) = (tmp_path / "tier").glob("*/blocks.dat")
-        desc = json.loads((data_file.parent / "namespace.json").read_text())
-        slot_bytes = desc["slot_bytes"]
-        flipped = 0
-        with data_file.open("r+b") as f:  # flip a byte in the payload of every block
-            for offset in range(0, data_file.stat().st_size, slot_bytes):
-                f.seek(offset)
-                if not any(f.read(64)):
-                    continue  # a free slot
-                f.seek(offset + slot_bytes - 100)
-                byte = f.read(1)[0]
-                f.seek(offset + slot_bytes - 100)
-                f.write(bytes([byte ^ 0xFF]))
-                flipped += 1
-        assert flipped >= 2
+        assert damage(tmp_path) >= 2
         hits = engine.lookup(keys)
         assert hits == 2
         assert await engine.load(keys, [10, 11]) == 0
@@ -418,9 +424,7 @@ async def test_a_store_larger_than_the_cpu_tier_streams_through_its_rows(
         assert engine.lookup(keys) == n
         for t in kv:
             t.zero_()
-        for first in range(0, n, 4):  # a load, too, must fit the CPU tier
-            part = list(range(first, first + 4))
-            assert await engine.load(keys[first : first + 4], part) == 4
+        assert await engine.load(keys, list(range(n))) == n  # streams through the rows too
         assert same(snapshot(kv, list(range(n))), want)
         assert_quiescent(engine)
     async with engine_for(tmp_path, cpu_rows=8) as (engine, _kv):
@@ -449,6 +453,146 @@ async def test_without_a_lower_tier_a_store_keeps_the_prefix_that_fits(tmp_path:
         # Stored again, the prefix is present and the tail still does not fit.
         assert await engine.store(keys, list(range(20))) == kvtier.StoreSummary(0, 8, 12)
         assert_quiescent(engine)
+
+
+# -- loads larger than the CPU tier ---------------------------------------------------
+
+
+FILE_ROWS = 128
+"""File tier budget of these tests, in rows: room for every block they store."""
+
+
+async def stored_on_file(
+    tmp_path: Path, n: int, *, prefixes: int = 1, bpc: int = 1
+) -> tuple[list[list[bytes]], list[torch.Tensor]]:
+    """Store ``prefixes`` prefixes of ``n`` blocks through an engine and close it.
+
+    Prefix ``p`` comes from device blocks ``[p * n * bpc, (p + 1) * n * bpc)``.
+    The blocks are then on file only: the next engine on ``tmp_path`` starts
+    with an empty CPU tier. Their keys, and the KV tensors they came from.
+    """
+    rows = prefixes * n
+    async with engine_for(tmp_path, cpu_rows=8, file_rows=FILE_ROWS, bpc=bpc) as (engine, kv):
+        fill(kv, list(range(rows * bpc)), seed=21)
+        parts = []
+        for p in range(prefixes):
+            keys = keys_for(engine, n, salt=p)
+            blocks = list(range(p * n * bpc, (p + 1) * n * bpc))
+            assert (await engine.store(keys, blocks)).dropped == 0
+            parts.append(keys)
+        await engine.flush()
+        return parts, [t.clone() for t in kv]
+
+
+def moved(kv: list[torch.Tensor], dst: range, src: list[torch.Tensor], at: range) -> bool:
+    """Whether device blocks ``dst`` of ``kv`` hold what blocks ``at`` of ``src`` held."""
+    return same(snapshot(kv, list(dst)), snapshot(src, list(at)))
+
+
+def assert_unpinned(engine: Engine, keys: list[bytes]) -> None:
+    """Nothing pinned, being written or in flight, for the engine and each of ``keys``."""
+    assert_quiescent(engine)
+    assert [engine._cpu.pins(k) for k in keys] == [0] * len(keys)
+    assert not engine._inflight
+
+
+@pytest.mark.parametrize(
+    ("bpc", "n", "skip"), [(1, 40, 0), (3, 20, 2)], ids=["40-blocks", "20-chunks-skip-2"]
+)
+async def test_a_load_of_file_blocks_larger_than_the_cpu_tier_streams(
+    tmp_path: Path, bpc: int, n: int, skip: int
+) -> None:
+    ([keys], old) = await stored_on_file(tmp_path, n, bpc=bpc)
+    async with engine_for(tmp_path, cpu_rows=8, file_rows=FILE_ROWS, bpc=bpc) as (engine, kv):
+        assert engine.statistics().cpu.ready == 0, "every block is on file only"
+        assert engine.lookup(keys) == n
+        blocks = range(skip, n * bpc)  # the first `skip` sub-blocks are on the device
+        assert await engine.load(keys, list(blocks), skip=skip) == n
+        assert moved(kv, blocks, old, blocks)
+        st = engine.statistics()
+        assert (st.promotions, st.load_shortfalls) == (n, 0)
+        assert st.cpu.ready == 8, "the last blocks promoted stay in the CPU tier"
+        assert_unpinned(engine, keys)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-prefix", "two-prefixes"])
+async def test_two_loads_larger_than_the_cpu_tier_at_once(tmp_path: Path, shared: bool) -> None:
+    n = 40
+    parts, old = await stored_on_file(tmp_path, n, prefixes=1 if shared else 2)
+    first, second = (parts[0], parts[0]) if shared else parts
+    async with engine_for(tmp_path, cpu_rows=8, file_rows=FILE_ROWS) as (engine, kv):
+        got = await asyncio.gather(
+            engine.load(first, list(range(n))), engine.load(second, list(range(n, 2 * n)))
+        )
+        assert list(got) == [n, n]
+        assert moved(kv, range(n), old, range(n))
+        assert moved(kv, range(n, 2 * n), old, range(n) if shared else range(n, 2 * n))
+        # One prefix: the loads share their promotions (each block is read once
+        # or, when the policy evicted it between the two, twice).
+        assert n <= engine.statistics().promotions <= 2 * n
+        assert_unpinned(engine, [*first, *second])
+
+
+async def test_a_load_and_a_store_larger_than_the_cpu_tier_at_once(tmp_path: Path) -> None:
+    n = 40
+    ([keys], old) = await stored_on_file(tmp_path, n)
+    async with engine_for(tmp_path, cpu_rows=8, file_rows=FILE_ROWS) as (engine, kv):
+        fresh = keys_for(engine, n, salt=5)
+        fill(kv, list(range(n, 2 * n)), seed=22)
+        new = [t.clone() for t in kv]
+        loaded, summary = await asyncio.gather(
+            engine.load(keys, list(range(n))), engine.store(fresh, list(range(n, 2 * n)))
+        )
+        assert loaded == n
+        assert summary == kvtier.StoreSummary(n, 0, 0)
+        assert moved(kv, range(n), old, range(n))
+        await engine.flush()
+        assert engine.lookup(fresh) == n
+        assert await engine.load(fresh, list(range(n))) == n
+        assert moved(kv, range(n), new, range(n, 2 * n))
+        assert_unpinned(engine, [*keys, *fresh])
+
+
+async def test_cancelling_a_streaming_load_releases_every_pin(tmp_path: Path) -> None:
+    n = 40
+    ([keys], old) = await stored_on_file(tmp_path, n)
+    async with engine_for(tmp_path, cpu_rows=8, file_rows=FILE_ROWS) as (engine, kv):
+        for cut in (1, 12, 24):  # blocks on the device before the cancellation
+            start = engine.statistics().cpu_traffic.blocks_out
+            alone = asyncio.ensure_future(engine.load(keys, list(range(n))))
+            beside = asyncio.ensure_future(engine.load(keys, list(range(n, 2 * n))))
+            while engine.statistics().cpu_traffic.blocks_out - start < cut:
+                assert not alone.done(), "the load ended before it was cancelled"
+                await asyncio.sleep(0)
+            alone.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await alone
+            # The other load of the same blocks shared promotions with it.
+            assert await beside == n
+            assert moved(kv, range(n, 2 * n), old, range(n))
+            await engine.flush()
+            assert_unpinned(engine, keys)
+        # The engine keeps working.
+        assert engine.lookup(keys) == n
+        assert await engine.load(keys, list(range(n))) == n
+        assert moved(kv, range(n), old, range(n))
+        assert_unpinned(engine, keys)
+
+
+async def test_a_damaged_block_ends_a_streaming_load_where_it_is(tmp_path: Path) -> None:
+    n = 40
+    ([keys], old) = await stored_on_file(tmp_path, n)
+    assert damage(tmp_path, [keys[25]]) == 1
+    async with engine_for(tmp_path, cpu_rows=8, file_rows=FILE_ROWS) as (engine, kv):
+        assert engine.lookup(keys) == n, "not read yet: the damage is not known"
+        assert await engine.load(keys, list(range(n))) == 25
+        assert moved(kv, range(25), old, range(25))
+        st = engine.statistics()
+        assert st.load_shortfalls == n - 25
+        assert st.file is not None
+        assert st.file.quarantined == 1
+        assert engine.lookup(keys) == 25
+        assert_unpinned(engine, keys)
 
 
 # -- closing with work in flight ------------------------------------------------------
