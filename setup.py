@@ -9,7 +9,12 @@ All are optional: where they cannot be built (no C compiler), the package
 installs without them and runs their pure-Python equivalents, slower.
 """
 
+import platform
+
 from setuptools import Extension, setup
+
+# XXH3's run-time choice of SSE2 / AVX2 / AVX-512 loops exists for x86-64 only.
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 setup(
     ext_modules=[
@@ -27,8 +32,10 @@ setup(
         ),
         Extension(
             "kvtier.tiers._blocks",
-            sources=["kvtier/tiers/_blocks.c"],
-            depends=["kvtier/tiers/_xxhash/xxhash.h"],
+            sources=["kvtier/tiers/_blocks.c"]
+            + (["kvtier/tiers/_xxhash/xxh_x86dispatch.c"] if _X86 else []),
+            depends=["kvtier/tiers/_xxhash/xxhash.h", "kvtier/tiers/_xxhash/xxh_x86dispatch.h"],
+            define_macros=[("KVTIER_XXH_DISPATCH", "1")] if _X86 else [],
             extra_compile_args=["-O2", "-std=c11"],
             optional=True,
         ),

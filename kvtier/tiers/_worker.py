@@ -1,7 +1,8 @@
 """The file tier's one thread: payload checksums and quarantine copies off the event loop.
 
 Separate from the I/O pipeline because two parts use it: the pipeline hands
-it the XXH3 of every stored payload, the quarantine its copies of bad blocks
+it the XXH3 of the stored payloads (one call per few MiB of blocks, not one
+per block), the quarantine its copies of bad blocks
 (:mod:`kvtier.tiers._quarantine`), and both get their results back on the
 loop in the order they asked.
 """
@@ -41,13 +42,20 @@ class Worker:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Then] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Then, bool] | None] = (
+            queue.SimpleQueue()
+        )
         self._thread = threading.Thread(target=self._run, name="kvtier-file-tier", daemon=True)
         self._thread.start()
 
-    def submit(self, call: Callable[[], Any], then: Then) -> None:
-        """Run ``call`` on the thread; ``then`` gets its outcome on the loop."""
-        self._jobs.put((call, then))
+    def submit(self, call: Callable[[], Any], then: Then, *, at_once: bool = False) -> None:
+        """Run ``call`` on the thread; ``then`` gets its outcome on the loop.
+
+        Outcomes go back once per batch of calls taken from the queue; with
+        ``at_once``, this one's goes back as soon as it is computed (a long
+        call whose blocks should start while the next call runs).
+        """
+        self._jobs.put((call, then, at_once))
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -65,7 +73,7 @@ class Worker:
                 if job is None:
                     stop = True
                     continue
-                call, then = job
+                call, then, at_once = job
                 try:
                     result = call()
                 except Exception as exc:
@@ -74,11 +82,17 @@ class Worker:
                     done.append((then, None, exc))
                 else:
                     done.append((then, result, None))
-            if done:
-                with contextlib.suppress(RuntimeError):  # the loop is closed
-                    self._loop.call_soon_threadsafe(_deliver, done)
+                if at_once:
+                    self._send(done)
+                    done = []
+            self._send(done)
             if stop:
                 return
+
+    def _send(self, done: list[tuple[Then, Any, Exception | None]]) -> None:
+        if done:
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                self._loop.call_soon_threadsafe(_deliver, done)
 
 
 def _deliver(done: list[tuple[Then, Any, Exception | None]]) -> None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import abc
 import ctypes
 import fcntl
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,8 +28,14 @@ __all__ = [
     "IOV_MAX",
     "IOEngine",
     "IOEngineStatistics",
+    "Then",
     "buffer_address",
 ]
+
+log = logging.getLogger("kvtier.io")
+
+Then = Callable[[int, BaseException | None], None]
+"""What :meth:`IOEngine.submit` calls on the loop: ``(bytes moved, None)`` or ``(0, error)``."""
 
 DEFAULT_DIRECT_ALIGNMENT = 4096
 """Alignment checked for an O_DIRECT descriptor when the caller names none.
@@ -250,6 +257,55 @@ class IOEngine(abc.ABC):
     ) -> Completion[int]:
         """Queue one validated vectored read or write."""
 
+    def submit(
+        self,
+        read: bool,
+        fd: int,
+        buffers: Sequence[memoryview],
+        offset: int,
+        then: Then,
+        *,
+        alignment: int | None = None,
+    ) -> None:
+        """:meth:`readv` (``read``) or :meth:`writev` that calls ``then`` instead of a Completion.
+
+        Parameters
+        ----------
+        read, fd, buffers, offset, alignment
+            The request, as :meth:`readv` and :meth:`writev` take it.
+        then
+            Called once on the loop when the request is done: ``then(bytes, None)``
+            (a short transfer included), or ``then(0, error)`` with the
+            :class:`~kvtier.errors.TierIOError` (or
+            :class:`~kvtier.errors.ClosedError`) a completion would carry.
+
+        Raises
+        ------
+        AlignmentError, InvalidArgumentError, ClosedError
+            As :meth:`readv`, before anything is submitted (``then`` is not called).
+
+        Notes
+        -----
+        For callers that move many blocks: the io_uring engine calls ``then``
+        straight from its reaping loop, without the future, the callback
+        handle and the loop iteration that each completion costs (a
+        measurable part of the CPU per block at 64 KiB). An exception raised
+        by ``then`` is logged and does not stop the other requests' callbacks.
+        Buffers stay exported until ``then`` is called, as with a completion.
+        """
+        self._check_open()
+        views = self._prepare(fd, buffers, offset, alignment, for_read=read)
+        self._submit_then(read, fd, views, offset, then)
+
+    def _submit_then(
+        self, read: bool, fd: int, views: list[memoryview], offset: int, then: Then
+    ) -> None:
+        """Queue one validated request whose outcome goes to ``then`` (via a completion here)."""
+        done = self._submit_rw(read, fd, views, offset)
+        done.add_done_callback(
+            lambda c: call_then(then, c.result() if c.exception() is None else 0, c.exception())
+        )
+
     @abc.abstractmethod
     def _submit_fsync(self, fd: int) -> Completion[None]:
         """Queue one fsync."""
@@ -333,3 +389,13 @@ class IOEngine(abc.ABC):
             alignment = DEFAULT_DIRECT_ALIGNMENT if flags & os.O_DIRECT else 1
         IOEngine.check_aligned(views, offset, alignment)
         return views
+
+
+def call_then(then: Then, res: int, exc: BaseException | None) -> None:
+    """Run a :meth:`IOEngine.submit` callback; its error is logged, never raised into the engine."""
+    try:
+        then(res, exc)
+    except Exception:
+        # Raised into the reaping loop it would strand the completions reaped
+        # after it (their blocks in flight for ever, aclose waiting on them).
+        log.exception("an I/O completion callback failed")

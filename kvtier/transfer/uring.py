@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import ClosedError, TierIOError
-from kvtier.transfer._io_base import IOEngine, buffer_address
+from kvtier.transfer._io_base import IOEngine, Then, buffer_address, call_then
 from kvtier.transfer._ring import OP_FSYNC, OP_READV, OP_WRITEV, Ring
 from kvtier.transfer.completion import Completion
 
@@ -92,10 +92,12 @@ class _Op:
     fd: int
     offset: int
     views: list[memoryview]
-    completion: Completion[Any]
+    completion: Completion[Any] | None
     # The pooled iovec array in the kernel's hands; ``views`` keep the caller's buffers
     # exported (they cannot be unmapped) until the completion is reaped.
     iov: _Pooled | None = field(default=None)
+    then: Then | None = None
+    """Called instead of resolving ``completion`` (IOEngine.submit)."""
 
 
 class UringEngine(IOEngine):
@@ -151,6 +153,11 @@ class UringEngine(IOEngine):
         self._enqueue(_Op(_READ if read else _WRITE, fd, offset, views, done))
         return done
 
+    def _submit_then(
+        self, read: bool, fd: int, views: list[memoryview], offset: int, then: Then
+    ) -> None:
+        self._enqueue(_Op(_READ if read else _WRITE, fd, offset, views, None, then=then))
+
     def _submit_fsync(self, fd: int) -> Completion[None]:
         done: Completion[None] = Completion(self._loop)
         self._enqueue(_Op(_FSYNC, fd, 0, [], done))
@@ -161,7 +168,7 @@ class UringEngine(IOEngine):
             self._closed = True
             while self._queue:
                 op = self._queue.popleft()
-                op.completion.set_exception(ClosedError("the io_uring engine was closed"))
+                self._fail(op, ClosedError("the io_uring engine was closed"))
         if self._ops:
             if self._idle is None:
                 self._idle = self._loop.create_future()
@@ -249,22 +256,33 @@ class UringEngine(IOEngine):
         if err:
             self._failed += 1
             nbytes = sum(v.nbytes for v in op.views)
-            op.completion.set_exception(
+            self._fail(
+                op,
                 TierIOError(
                     err,
                     f"{_KIND[op.kind]} of {nbytes} bytes at offset {op.offset} "
                     f"on fd {op.fd} failed: {os.strerror(err)}",
-                )
+                ),
             )
             return
         if op.kind == _READ:
             self._bytes_read += res
-            op.completion.set_result(res)
         elif op.kind == _WRITE:
             self._bytes_written += res
-            op.completion.set_result(res)
-        else:
-            op.completion.set_result(None)
+        if op.then is not None:
+            op.views = []  # the buffers are the caller's again
+            call_then(op.then, res, None)
+        elif op.completion is not None:
+            op.completion.set_result(None if op.kind == _FSYNC else res)
+
+    @staticmethod
+    def _fail(op: _Op, exc: BaseException) -> None:
+        """Fail ``op`` with ``exc``: through its callback, or its completion."""
+        if op.then is not None:
+            op.views = []
+            call_then(op.then, 0, exc)
+        elif op.completion is not None:
+            op.completion.set_exception(exc)
 
     def _release(self) -> None:
         if self._released:
