@@ -299,7 +299,8 @@ class Engine:
     reuse its device blocks at once. A cancelled load leaves its device blocks
     in an unspecified state.
 
-    *Failures.* A failure in the file tier (full, I/O error, checksum mismatch)
+    *Failures.* A failure in a tier of the chain (the file tier full, an I/O
+    error, a checksum mismatch, a cluster node down, a value vanished)
     degrades to a miss or a skipped write, counted in :meth:`statistics` and
     logged; it never touches the CPU tier's ready blocks.
     """
@@ -687,19 +688,16 @@ class Engine:
         """
         self._check_open()
         check_keys(keys)
-        cpu, chain, inflight = self._cpu, self._chain, self._inflight
+        cpu, inflight = self._cpu, self._inflight
         n = cpu.lookup(keys)
         self._t_cpu.lookup_hits += n
         for key in keys[n:]:
             if key in inflight or cpu.is_ready(key):
                 self._t_cpu.lookup_hits += 1
+            elif (tier := self._tier_of(key)) is not None:
+                self._chain[tier].traffic.lookup_hits += 1
             else:
-                for link in chain:
-                    if link.tier.is_ready(key):
-                        link.traffic.lookup_hits += 1
-                        break
-                else:
-                    break
+                break
             n += 1
         self._n["lookups"] += len(keys)
         self._n["lookup_misses"] += len(keys) - n

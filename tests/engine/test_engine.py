@@ -595,6 +595,21 @@ async def test_a_damaged_block_ends_a_streaming_load_where_it_is(tmp_path: Path)
         assert_unpinned(engine, keys)
 
 
+async def test_closing_under_a_streaming_load_ends_it_typed(tmp_path: Path) -> None:
+    n = 40
+    ([keys], _old) = await stored_on_file(tmp_path, n)
+    async with engine_for(tmp_path, cpu_rows=8, file_rows=FILE_ROWS) as (engine, _kv):
+        loading = asyncio.ensure_future(engine.load(keys, list(range(n))))
+        while engine.statistics().cpu_traffic.blocks_out < 8:
+            assert not loading.done(), "the load ended before the close"
+            await asyncio.sleep(0)
+        await engine.aclose()
+        # What it still had to promote cannot start any more: a typed error, no hang.
+        with pytest.raises(ClosedError):
+            await loading
+        assert engine.statistics().cpu.pinned == 0
+
+
 # -- closing with work in flight ------------------------------------------------------
 
 
