@@ -21,7 +21,6 @@ import contextlib
 import errno as _errno
 import logging
 import mmap
-import os
 import time
 from array import array
 from collections.abc import Awaitable, Callable
@@ -30,7 +29,7 @@ from typing import Literal
 from kvtier.errors import TierIOError
 from kvtier.manager import ResidencyManager
 from kvtier.tiers._format import HEADER_BYTES, HeaderError, scan_header
-from kvtier.tiers._slots import SlotFile
+from kvtier.tiers._slots import SlotFile, data_runs
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine
 
@@ -305,24 +304,14 @@ def _slots_with_data(fd: int, slots: int, slot_bytes: int) -> list[int]:
     tier opened half full reads only the headers of the slots it used.
     """
     out: list[int] = []
-    end = slots * slot_bytes
-    offset = 0
     try:
-        while offset < end:
-            try:
-                start = os.lseek(fd, offset, os.SEEK_DATA)
-            except OSError as exc:
-                if exc.errno == _errno.ENXIO:
-                    break  # no data past offset
-                raise
-            stop = min(os.lseek(fd, start, os.SEEK_HOLE), end)
+        for start, stop in data_runs(fd, slots * slot_bytes):
             # Slots whose header [s*slot_bytes, s*slot_bytes + 4096) meets [start, stop).
             first = max(0, (start - HEADER_BYTES) // slot_bytes + 1) if start >= HEADER_BYTES else 0
             last = min(slots, -(-stop // slot_bytes))
             if out and first <= out[-1]:
                 first = out[-1] + 1
             out.extend(range(first, last))
-            offset = max(stop, offset + 1)
     except OSError as exc:
         if exc.errno not in (_errno.EINVAL, _errno.EOPNOTSUPP):
             raise TierIOError(exc.errno or 0, f"cannot scan the slot file: {exc.strerror}") from exc

@@ -21,7 +21,7 @@ import logging
 import mmap
 import os
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvtier.manager import ResidencyManager
@@ -30,7 +30,7 @@ from kvtier.tiers._root import DATA_FILE
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine
 
-__all__ = ["SlotFile"]
+__all__ = ["SlotFile", "data_runs", "probe_range"]
 
 log = logging.getLogger("kvtier.file_tier")
 
@@ -186,3 +186,58 @@ def _short_or_error(done: Completion[int], want: int) -> BaseException | None:
     if exc is None and done.result() != want:
         exc = OSError(_errno.EIO, f"short write: {done.result()} of {want} bytes")
     return exc
+
+
+def data_runs(fd: int, end: int) -> Iterator[tuple[int, int]]:
+    """The runs ``[start, stop)`` of ``[0, end)`` that ``SEEK_DATA`` reports, in order.
+
+    Ranges never written since the file was reserved (holes, and unwritten
+    extents) are not data: they read back as zeros.
+
+    Raises
+    ------
+    OSError
+        Where the filesystem cannot say (``EINVAL``, ``EOPNOTSUPP``), or the
+        call fails.
+    """
+    offset = 0
+    while offset < end:
+        try:
+            start = os.lseek(fd, offset, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == _errno.ENXIO:
+                return  # no data past offset
+            raise
+        if start >= end:
+            return
+        stop = min(os.lseek(fd, start, os.SEEK_HOLE), end)
+        yield start, stop
+        offset = max(stop, start + 1)
+
+
+def probe_range(fd: int, slots: int, slot_bytes: int, want: int) -> tuple[int, int, bool] | None:
+    """Whole slots of the slot file where a queue-depth probe may run: ``(offset, length, write)``.
+
+    A never-written run (a hole, or reserved and unwritten: it reads as
+    zeros, so zeros written there change nothing a reader or the recovery
+    sees, even when a crash tears them) is taken for a write probe first,
+    since it also spares those slots the device's first-write cost; else a
+    run holding data, for a read probe, which changes nothing. None when
+    neither run has ``want`` bytes of whole slots, or ``SEEK_DATA`` is
+    unsupported. Called before the tier takes writes, under the namespace
+    lock: nothing else writes the file meanwhile.
+    """
+    end = slots * slot_bytes
+    try:
+        data = list(data_runs(fd, end))
+    except OSError:
+        return None
+    edges = [0, *(x for run in data for x in run), end]
+    holes = [(a, b) for a, b in zip(edges[::2], edges[1::2], strict=True) if b > a]
+    for runs, write in ((holes, True), (data, False)):
+        for start, stop in runs:
+            first = -(-start // slot_bytes)  # whole slots inside the run
+            length = (stop // slot_bytes - first) * slot_bytes
+            if length >= want:
+                return first * slot_bytes, length, write
+    return None

@@ -47,6 +47,7 @@ The tier is this facade over parts, each a module with one job, owned by
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ from kvtier.errors import (
     CapacityError,
     ClosedError,
     InvalidArgumentError,
+    KVTierError,
     TierIOError,
 )
 from kvtier.keys import check_keys
@@ -71,11 +73,17 @@ from kvtier.tiers._pipeline import Pipeline
 from kvtier.tiers._quarantine import Quarantine
 from kvtier.tiers._recovery import Recovery
 from kvtier.tiers._root import data_cost, lock_root, metadata_estimate
-from kvtier.tiers._slots import SlotFile
+from kvtier.tiers._slots import SlotFile, probe_range
 from kvtier.tiers._worker import Worker
 from kvtier.tiers.base import LoadResult, StoreResult, Tier
 from kvtier.transfer.completion import Completion
-from kvtier.transfer.io_engine import IOEngine, open_io_engine
+from kvtier.transfer.io_engine import (
+    QUEUE_DEPTHS,
+    DepthProbe,
+    IOEngine,
+    measure_queue_depth,
+    open_io_engine,
+)
 
 __all__ = [
     "LAYOUT_KIND",
@@ -87,6 +95,14 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+log = logging.getLogger("kvtier.file_tier")
+
+AUTO_DEPTH_FALLBACK = 32
+"""The depth of ``queue_depth="auto"`` where nothing is measured (see :func:`_measure_depth`)."""
+
+_PROBE_BYTES = 64 << 20
+"""Fewest bytes of slots the depth probe runs on (and at least 16 slots)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +332,12 @@ class FileTier(Tier):
         invalid headers (interrupted writes) are zeroed. A directory of
         format version 1 (one file per block) is discarded with a warning.
 
+        With ``config.queue_depth="auto"`` (and no ``io_engine`` given), the
+        open first times the depths 1 to 32 on the slot file itself: zeros
+        written over never-written slots (which read as zeros already, so
+        nothing a reader or the recovery sees changes), else reads of slots
+        holding data; see ``docs/file-tier.md``, "Queue depth".
+
         With ``config.recovery="background"`` that scan runs after ``open``
         returns: until it ends the tier knows no block (lookups miss, loads
         report every key missing), refuses stores (each key fails with
@@ -353,7 +375,12 @@ class FileTier(Tier):
         tier: FileTier | None = None
         try:
             owns = io_engine is None
-            depth = 32 if config.queue_depth == "auto" else config.queue_depth
+            depth = config.queue_depth
+            if depth == "auto":
+                depth = AUTO_DEPTH_FALLBACK
+                if io_engine is None:
+                    probe = await _measure_depth(config, prepared, file_bytes, alignment)
+                    depth = probe.depth if probe is not None else depth
             engine = io_engine or await open_io_engine(config.io_engine, queue_depth=depth)
             manager = ResidencyManager(
                 prepared.slots,
@@ -721,6 +748,57 @@ def _make_root(root: Path) -> None:
         raise TierIOError(
             exc.errno or 0, f"cannot create the tier root: {exc.strerror}", exc.filename or root
         ) from exc
+
+
+async def _measure_depth(
+    config: FileTierConfig, prepared: Prepared, slot_bytes: int, alignment: int
+) -> DepthProbe | None:
+    """Time the queue depths on the slot file itself; None where nothing can be measured.
+
+    Requests of one slot at slot offsets, on a never-written run of slots
+    (zeros, written once untimed first: a thin-provisioned disk pays for the
+    first write of a block) or else on slots holding data (read); see
+    :func:`~kvtier.transfer.io_engine.measure_queue_depth`. Nothing is
+    measured with buffered I/O (the page cache would be timed), or on a file
+    with no run of ``max(64 MiB, 16 slots)`` of one kind. A probe that fails
+    is logged and the fallback depth used: the blocks' own I/O reports errors.
+    """
+    if prepared.fallback is not None:
+        return None
+    where = probe_range(
+        prepared.data_fd, prepared.slots, slot_bytes, max(_PROBE_BYTES, 16 * slot_bytes)
+    )
+    if where is None:
+        return None
+    offset, length, write = where
+    engine = await open_io_engine(config.io_engine, queue_depth=max(QUEUE_DEPTHS))
+    try:
+        probe = await measure_queue_depth(
+            engine,
+            prepared.data_fd,
+            offset=offset,
+            length=length,
+            request_bytes=slot_bytes,
+            write=write,
+            alignment=alignment,
+            warm_up=write,
+        )
+    except (OSError, KVTierError) as exc:
+        log.warning(
+            "file tier: cannot measure the queue depth (%s); using %d", exc, AUTO_DEPTH_FALLBACK
+        )
+        return None
+    finally:
+        await engine.aclose()
+    log.info(
+        "file tier: queue depth %d, measured %s %d-byte slots in %.2f s (GB/s by depth: %s)",
+        probe.depth,
+        "writing" if write else "reading",
+        slot_bytes,
+        probe.seconds,
+        ", ".join(f"{d}: {r:.2f}" for d, r in probe.gbps),
+    )
+    return probe
 
 
 def _close_prepared(prepared: Prepared) -> None:

@@ -22,7 +22,13 @@ This module is the factory, above both engines; the contract they implement
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import mmap
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -42,10 +48,13 @@ __all__ = [
     "BYTES_IN_FLIGHT",
     "DEFAULT_DIRECT_ALIGNMENT",
     "IOV_MAX",
+    "QUEUE_DEPTHS",
+    "DepthProbe",
     "EngineKind",
     "IOEngine",
     "IOEngineStatistics",
     "buffer_address",
+    "measure_queue_depth",
     "open_io_engine",
     "probe_io_uring",
     "suggested_queue_depth",
@@ -61,17 +70,150 @@ BYTES_IN_FLIGHT = 8 << 20
 
 
 def suggested_queue_depth(block_bytes: int, *, limit: int = 32) -> int:
-    """Queue depth for requests of ``block_bytes``: about 8 MiB in flight, 1 to ``limit``.
+    """A depth for ``block_bytes`` requests, unmeasured: 8 MiB in flight, 1 to ``limit``.
 
-    Measured on this project's disk with fio: small requests need a deep queue
-    to reach the device's bandwidth, but 2-8 MiB reads get slower with more
-    than a few in flight (the device splits them and the pieces contend).
-    Keeping the bytes in flight near 8 MiB gives 32 at 64 and 256 KiB, 4 at
-    2 MiB and 1 at 8 MiB.
+    Advice from one fio sweep (32 at 64 and 256 KiB, 4 at 2 MiB, 1 at 8 MiB),
+    which the benchmark machine of issue 21 contradicts: there depth 32 beat 4
+    at 2 MiB and 1 at 8 MiB. The file tier does not use it; it measures with
+    :func:`measure_queue_depth` (``queue_depth="auto"``).
     """
     if block_bytes <= 0:
         raise InvalidArgumentError(f"block_bytes must be positive, got {block_bytes}")
     return max(1, min(limit, BYTES_IN_FLIGHT // block_bytes))
+
+
+QUEUE_DEPTHS = (1, 4, 8, 16, 32)
+"""The depths :func:`measure_queue_depth` tries by default."""
+
+_STEP_BYTES = 64 << 20
+"""Bytes moved at each depth tried, at least (two full queues where that is more)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DepthProbe:
+    """What :func:`measure_queue_depth` measured, and the depth it chose."""
+
+    depth: int
+    """The deepest depth within ``tolerance`` of the fastest one."""
+    gbps: tuple[tuple[int, float], ...]
+    """``(depth, GB/s)`` for each depth tried, in the order tried."""
+    write: bool
+    """True when the probe wrote (zeros), False when it read."""
+    seconds: float
+    """Wall time of the whole probe."""
+
+
+async def measure_queue_depth(
+    engine: IOEngine,
+    fd: int,
+    *,
+    offset: int,
+    length: int,
+    request_bytes: int,
+    write: bool,
+    alignment: int = DEFAULT_DIRECT_ALIGNMENT,
+    depths: Sequence[int] = QUEUE_DEPTHS,
+    tolerance: float = 0.05,
+    warm_up: bool = False,
+) -> DepthProbe:
+    """Time requests of ``request_bytes`` at each of ``depths`` and choose one.
+
+    At each depth, ``depth`` chains of requests run side by side (so exactly
+    ``depth`` are in flight) over ``[offset, offset + length)``, request after
+    request, wrapping at the end; each depth moves at least 64 MiB and two
+    full queues, on its own part of the range where the range is long enough
+    (so that no depth reads what a cache kept from the one before).
+
+    Parameters
+    ----------
+    engine
+        Opened with a queue depth of at least ``max(depths)``.
+    fd
+        The file, opened for reading and writing (``O_DIRECT`` for the figures
+        to be the device's).
+    offset, length
+        The range used: multiples of ``request_bytes`` apart from the end,
+        which is not used past the last whole request.
+    request_bytes
+        Bytes per request, a multiple of ``alignment``.
+    write
+        Write zeros (only where the file already reads as zeros, or holds
+        nothing anyone will read: the caller's promise), or read.
+    alignment
+        O_DIRECT alignment of the offsets.
+    depths
+        Depths to try, each from 1 to ``engine.queue_depth``.
+    tolerance
+        A deeper queue is chosen unless it is slower than the fastest depth
+        by more than this fraction: the deeper queue costs nothing the device
+        shows, and it serves callers that submit in bursts.
+    warm_up
+        Write the whole range once, untimed, before the depths are timed: the
+        first write of a never-written block can cost the device more than
+        the next ones (a thin-provisioned virtual disk allocates it), which
+        the first depth tried would pay alone.
+
+    Returns
+    -------
+    DepthProbe
+        The depth chosen and the rate of each depth.
+
+    Raises
+    ------
+    InvalidArgumentError
+        For a range holding no request, or a depth outside ``1..engine.queue_depth``.
+    TierIOError
+        When a request fails or transfers fewer bytes (nothing is chosen then).
+    """
+    count = length // request_bytes if request_bytes > 0 else 0
+    if count < 1 or offset < 0 or request_bytes % alignment or offset % alignment:
+        raise InvalidArgumentError(
+            f"no aligned request of {request_bytes} bytes fits in {length} bytes at {offset}"
+        )
+    if not depths or any(not 1 <= d <= engine.queue_depth for d in depths):
+        raise InvalidArgumentError(f"depths {tuple(depths)} must be in 1..{engine.queue_depth}")
+    buffer = mmap.mmap(-1, request_bytes)
+    view = memoryview(buffer)
+    call = engine.writev if write else engine.readv
+    started = time.perf_counter()
+    at = 0  # the next request's index in the range, advancing across depths
+
+    async def chain(first: int, step: int, n: int) -> None:
+        for i in range(first, n, step):
+            where = offset + ((at + i) % count) * request_bytes
+            got = await call(fd, [view], where, alignment=alignment)
+            if got != request_bytes:
+                raise TierIOError(0, f"short probe request: {got} of {request_bytes} bytes")
+
+    async def run(depth: int, n: int) -> None:
+        """``n`` requests, ``depth`` in flight."""
+        try:
+            # A failing chain cancels the others: no request starts after it.
+            async with asyncio.TaskGroup() as group:
+                for k in range(depth):
+                    group.create_task(chain(k, depth, n))
+        except ExceptionGroup as failed:
+            raise failed.exceptions[0] from None
+
+    rates: list[tuple[int, float]] = []
+    try:
+        if warm_up:
+            await run(max(depths), count)
+        for depth in depths:
+            n = max(2 * depth, -(-_STEP_BYTES // request_bytes))
+            t0 = time.perf_counter()
+            await run(depth, n)
+            rates.append((depth, n * request_bytes / (time.perf_counter() - t0) / 1e9))
+            at += n
+    finally:
+        # A request of a failed chain may still be in the kernel: the mapping
+        # then stays until its views are gone.
+        with contextlib.suppress(BufferError):
+            view.release()
+            buffer.close()
+    best = max(rate for _, rate in rates)
+    chosen = max(d for d, rate in rates if rate >= (1 - tolerance) * best)
+    return DepthProbe(chosen, tuple(rates), write, time.perf_counter() - started)
 
 
 _probe_result: list[str | None] = []
