@@ -52,7 +52,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BlockIds",
     "DeviceTransfer",
+    "RunsNow",
     "TransferStatistics",
     "check_block_ids",
     "open_device_transfer",
@@ -201,6 +202,24 @@ class DeviceTransfer(abc.ABC):
         Later :meth:`store` and :meth:`load` calls raise
         :class:`~kvtier.errors.ClosedError`.
         """
+
+
+@runtime_checkable
+class RunsNow(Protocol):
+    """A :class:`DeviceTransfer` that can also copy on the calling thread.
+
+    The copiers :func:`open_device_transfer` returns can; a worker process
+    runs its jobs through it on the threads that receive them.
+    """
+
+    def run_now(
+        self,
+        store: bool,
+        rows: Sequence[int] | np.ndarray,
+        device_block_ids: BlockIds,
+        skip: int = 0,
+    ) -> None:
+        """Validate and copy (a store if ``store``, else a load); return once done."""
 
 
 def open_device_transfer(
@@ -463,7 +482,8 @@ class _Request:
     """Position of every sub-block copied inside its row."""
     ids: list[np.ndarray]
     """Device block id of every sub-block copied, per layout tensor (by its group)."""
-    done: Completion[None]
+    done: Completion[None] | None
+    """None for :meth:`_ThreadedTransfer.run_now` (the caller waits)."""
     nbytes: int
     marker: object
 
@@ -515,6 +535,8 @@ class _ThreadedTransfer(DeviceTransfer):
         self._in_flight = 0
         self._idle: asyncio.Future[None] | None = None
         self._n = {"stores": 0, "loads": 0, "bs": 0, "bl": 0, "copies": 0, "fail": 0}
+        self._count_lock = threading.Lock()
+        """Counters change on the loop and on :meth:`run_now`'s threads."""
 
     @property
     def backend(self) -> str:
@@ -526,19 +548,69 @@ class _ThreadedTransfer(DeviceTransfer):
         self, device_block_ids: BlockIds, rows: Sequence[int] | np.ndarray
     ) -> Completion[None]:
         self._check_open()
-        r = self._check_rows(rows)
-        if np.unique(r).size != r.size:
-            raise InvalidArgumentError("a store names the same row twice")
-        per_row = np.repeat(r, self._bpc)
-        subs = np.tile(np.arange(self._bpc, dtype=np.int64), r.size)
-        ids = self._check_ids(device_block_ids, r.size * self._bpc, unique=False)
-        return self._submit(True, per_row, subs, ids)
+        return self._submit(*self._plan(True, rows, device_block_ids, 0))
 
     def load(
         self, rows: Sequence[int] | np.ndarray, device_block_ids: BlockIds, skip: int = 0
     ) -> Completion[None]:
         self._check_open()
+        return self._submit(*self._plan(False, rows, device_block_ids, skip))
+
+    def run_now(
+        self,
+        store: bool,
+        rows: Sequence[int] | np.ndarray,
+        device_block_ids: BlockIds,
+        skip: int = 0,
+    ) -> None:
+        """Validate and copy on the calling thread; return once the bytes moved.
+
+        A worker process's job threads run each job this way: the copy starts
+        on the thread that received the job and its answer leaves from there,
+        with no hop through an event loop and a copy thread (see
+        docs/architecture.md). Arguments as for :meth:`store` and :meth:`load`.
+        At most one thread per direction: copies of one direction share a
+        stream (CUDA) or a helper pool (CPU).
+
+        Raises
+        ------
+        InvalidArgumentError
+            As :meth:`store` and :meth:`load`; nothing was copied.
+        ClosedError
+            After :meth:`aclose`.
+        TransferError
+            The copy failed (the destination holds garbage).
+        """
+        self._check_open()
+        store, r, subs, ids = self._plan(store, rows, device_block_ids, skip)
+        per_tensor = [ids[g] for g in self._tensor_groups]
+        nbytes = int(ids[self._groups[0]].size) * self._layout.bytes_per_block
+        if not nbytes:
+            return
+        req = _Request(store, r, subs, per_tensor, None, nbytes, self._copier.mark())
+        try:
+            copies, wait = self._copier.run(store, self._batches(req), req.marker, nbytes)
+            if wait is not None:
+                wait()
+        except Exception as exc:
+            with self._count_lock:
+                self._n["fail"] += 1
+            raise _failure(req, exc) from exc
+        with self._count_lock:
+            self._count(req, copies)
+
+    def _plan(
+        self, store: bool, rows: Sequence[int] | np.ndarray, device_block_ids: BlockIds, skip: int
+    ) -> tuple[bool, np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+        """Validate a request: the row and position of every sub-block, the ids per group."""
         r = self._check_rows(rows)
+        if store:
+            if np.unique(r).size != r.size:
+                raise InvalidArgumentError("a store names the same row twice")
+            per_row = np.repeat(r, self._bpc)
+            subs = np.tile(np.arange(self._bpc, dtype=np.int64), r.size)
+            ids = self._check_ids(device_block_ids, r.size * self._bpc, unique=False)
+            return True, per_row, subs, ids
         if isinstance(skip, bool) or not isinstance(skip, int | np.integer):
             raise InvalidArgumentError(f"skip must be an int, got {skip!r}")
         skip = int(skip)
@@ -547,7 +619,7 @@ class _ThreadedTransfer(DeviceTransfer):
         per_row = np.repeat(r, self._bpc)[skip:]
         subs = np.tile(np.arange(self._bpc, dtype=np.int64), r.size)[skip:]
         ids = self._check_ids(device_block_ids, r.size * self._bpc - skip, unique=True)
-        return self._submit(False, per_row, subs, ids)
+        return False, per_row, subs, ids
 
     def _check_open(self) -> None:
         if self._closed:
@@ -677,20 +749,28 @@ class _ThreadedTransfer(DeviceTransfer):
 
     def _finish(self, req: _Request, err: BaseException | None, copies: int) -> None:
         self._in_flight -= 1
-        self._n["copies"] += copies
-        if err is None:
-            if req.store:
-                self._n["stores"] += 1
-                self._n["bs"] += req.nbytes
+        assert req.done is not None
+        with self._count_lock:
+            if err is None:
+                self._count(req, copies)
             else:
-                self._n["loads"] += 1
-                self._n["bl"] += req.nbytes
+                self._n["copies"] += copies
+                self._n["fail"] += 1
+        if err is None:
             req.done.set_result(None)
         else:
-            self._n["fail"] += 1
             req.done.set_exception(err)
         if self._in_flight == 0 and self._idle is not None and not self._idle.done():
             self._idle.set_result(None)
+
+    def _count(self, req: _Request, copies: int) -> None:
+        self._n["copies"] += copies
+        if req.store:
+            self._n["stores"] += 1
+            self._n["bs"] += req.nbytes
+        else:
+            self._n["loads"] += 1
+            self._n["bl"] += req.nbytes
 
     # -- statistics and closing ---------------------------------------------------------
 

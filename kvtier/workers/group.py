@@ -8,16 +8,33 @@ each job to every rank's worker and resolves the job's
 it. One engine, two transports (as httpx sends every request through a
 transport)::
 
-    scheduler process                               worker process, rank r
-      Engine --store/load--> WorkerGroup               Worker
-                               ROUTER  ipc://<0700 dir>/jobs  DEALER
-                               |  JobSpec (rows, ids, skip) ---> |  its DeviceTransfer
-                               | <--- JobDone (job, ok / error)  |  copies slice r
+    scheduler process                                 worker process, rank r
+      Engine --store/load--> WorkerGroup                 Worker
+                               ROUTER  ipc://<0700 dir>/jobs  DEALER   registration, control
+                               |  pipe <dir>/<r>.store ------> |  store thread: copies slice r
+                               |  pipe <dir>/<r>.load  ------> |  load thread:  copies slice r
+                               | <------ pipe <dir>/done ----- |  JobDone (job, ok / error)
                                pidfd of each worker            pidfd of the scheduler
 
-Completions reach the event loop without polling: zmq.asyncio watches the
-socket's descriptor, and each worker's exit is a readable pidfd
-(``os.pidfd_open``) registered with ``loop.add_reader``.
+Registration (hello, welcome, attached), stop and goodbye travel on a pyzmq
+ROUTER/DEALER pair. Jobs and their answers take named pipes in the same
+private directory: a job is one record of :func:`~kvtier.workers.jobs.pack_record`
+written whole (at most ``PIPE_BUF`` bytes) to the rank's pipe of its
+direction, where a thread of the worker waits in ``read``, runs the copy
+itself (:class:`~kvtier.transfer.device.RunsNow`) and writes its answer to the
+``done`` pipe that the scheduler's loop watches. Why pipes and not the
+socket: every zmq message crosses two I/O threads (the sender's and the
+receiver's) before the receiver's loop wakes, and the worker's loop then
+handed the job to a copy thread and the answer back: about 0.9 ms of wake-ups
+per job on the 2-core VM, a third of a 16-block request at 2 MiB rows. A pipe
+wakes the copying thread directly, as the in-process copier's queue does
+(docs/architecture.md has the figures). A job too large for one record, or
+met by a full pipe, goes on the socket instead: jobs need no order between
+them (the scheduler sends a job only once its rows are free).
+
+Completions reach the event loop without polling: the loop watches the
+``done`` pipe and zmq.asyncio the socket's descriptor, and each worker's exit
+is a readable pidfd (``os.pidfd_open``) registered with ``loop.add_reader``.
 
 *A worker that dies* fails every job it had not reported with
 :class:`~kvtier.errors.WorkerLostError` (once the other ranks have reported
@@ -62,7 +79,17 @@ from kvtier.transfer.device import (
     _as_index,
     check_block_ids,
 )
-from kvtier.workers.jobs import Hello, JobDone, JobSpec, Notice, Welcome, decode
+from kvtier.workers.jobs import (
+    PIPE_BUF,
+    Hello,
+    JobDone,
+    JobSpec,
+    Notice,
+    Welcome,
+    decode,
+    pack_record,
+    unpack_records,
+)
 
 if TYPE_CHECKING:
     from kvtier.region import CPURegion
@@ -91,6 +118,8 @@ class _Peer:
     pid: int
     pidfd: int | None
     attached: bool = False
+    pipes: dict[str, int] = field(default_factory=dict)
+    """Write ends of its job pipes by kind, once it said it reads them."""
 
 
 @dataclass(slots=True)
@@ -146,6 +175,11 @@ class WorkerGroup(DeviceTransfer):
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(self._address)
+        done_pipe = os.path.join(directory, "done")
+        os.mkfifo(done_pipe, 0o600)
+        # Read and write: the pipe never reports end-of-file when a worker goes.
+        self._done_fd = os.open(done_pipe, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        self._done_buf = bytearray()
         self._layout: KVLayout | None = None
         self._rows = 0
         self._peers: dict[bytes, _Peer] = {}
@@ -253,7 +287,9 @@ class WorkerGroup(DeviceTransfer):
             alignment=region.alignment,
             world_size=self._world,
             scheduler_pid=os.getpid(),
+            pipes=self._dir,
         )
+        loop.add_reader(self._done_fd, self._on_pipe)
         self._all_attached = loop.create_future()
         self._reader = asyncio.ensure_future(self._read())
         try:
@@ -332,6 +368,8 @@ class WorkerGroup(DeviceTransfer):
             return
         if note.op == "attached":
             peer.attached = True
+            if note.message == "pipes":
+                self._open_pipes(peer)
             done = self._all_attached
             if (
                 done is not None
@@ -350,6 +388,43 @@ class WorkerGroup(DeviceTransfer):
             self._byes.add(peer.rank)
             self._forget(peer)
             self._check_all_gone()
+
+    def _open_pipes(self, peer: _Peer) -> None:
+        """Open the rank's job pipes (the worker made them, and reads them)."""
+        for kind in ("store", "load"):
+            path = os.path.join(self._dir, f"{peer.rank}.{kind}")
+            try:
+                peer.pipes[kind] = os.open(
+                    path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+                )
+            except OSError as exc:  # its jobs take the socket
+                log.warning("rank %d: job pipe %s: %s; jobs go on the socket", peer.rank, path, exc)
+
+    def _on_pipe(self) -> None:
+        """Read every answer waiting in the ``done`` pipe."""
+        while True:
+            try:
+                chunk = os.read(self._done_fd, 1 << 16)
+            except BlockingIOError:
+                break
+            self._done_buf += chunk
+            if len(chunk) < 1 << 16:
+                break
+        try:
+            records = unpack_records(self._done_buf)
+        except ProtocolError as exc:
+            log.warning("dropped the done pipe's contents: %s", exc)
+            self._done_buf.clear()
+            return
+        for rank, frames in records:
+            peer = self._by_rank.get(rank)
+            try:
+                msg = decode(frames)
+            except ProtocolError as exc:
+                log.warning("ignored a record of the done pipe: %s", exc)
+                continue
+            if peer is not None and isinstance(msg, JobDone):
+                self._on_done(peer.ident, msg)
 
     def _watch(self, peer: _Peer) -> None:
         """Learn of the worker's exit from a pidfd the loop watches (no polling)."""
@@ -377,6 +452,9 @@ class WorkerGroup(DeviceTransfer):
 
     def _forget(self, peer: _Peer) -> None:
         self._unwatch(peer)
+        for fd in peer.pipes.values():
+            os.close(fd)
+        peer.pipes.clear()
         self._peers.pop(peer.ident, None)
         if self._by_rank.get(peer.rank) is peer:
             del self._by_rank[peer.rank]
@@ -464,7 +542,15 @@ class WorkerGroup(DeviceTransfer):
         pending = _Pending(done, set(self._by_rank), store, blocks * layout.bytes_per_block)
         self._jobs[spec.job] = pending
         frames = spec.encode()
+        record = pack_record(frames)
         for peer in list(self._by_rank.values()):
+            fd = peer.pipes.get(spec.kind)
+            if fd is not None and len(record) <= PIPE_BUF:
+                try:
+                    os.write(fd, record)  # whole or not at all (at most PIPE_BUF)
+                    continue
+                except (BlockingIOError, BrokenPipeError):
+                    pass  # full, or its reader is gone (the pidfd says so): the socket
             self._send(peer.ident, frames)
         return done
 
@@ -562,6 +648,9 @@ class WorkerGroup(DeviceTransfer):
                     await reader
             for peer in list(self._peers.values()):
                 self._forget(peer)
+            if self._loop is not None:
+                self._loop.remove_reader(self._done_fd)
+            os.close(self._done_fd)
             self._sock.close(linger=0)
             self._ctx.term()
             if self._owns_dir:

@@ -7,6 +7,15 @@ the same in-process copier the single-process engine uses
 (:func:`~kvtier.transfer.device.open_device_transfer`, CUDA or CPU backend),
 copying only its own slice of each row.
 
+Jobs arrive on two named pipes of the group's private directory, one per
+direction, each read by a thread of the worker that runs the copy itself
+(:meth:`~kvtier.transfer.device.RunsNow.run_now`) and writes the answer to
+the scheduler's ``done`` pipe: the job wakes the thread that copies, as in the
+in-process copier (see :mod:`kvtier.workers.group` for why). A copier that
+cannot copy on the calling thread (a test's wrapper) gets its jobs from the
+same pipes through the event loop. Jobs the scheduler sends on the socket
+(too large for a pipe record) run through the event loop too.
+
 It watches the scheduler's process through a pidfd: when the scheduler exits
 (even by SIGKILL), :meth:`Worker.serve` finishes the copies in flight,
 detaches the region and returns ``"scheduler_gone"``.
@@ -26,12 +35,23 @@ from typing import TYPE_CHECKING, Literal
 import zmq
 import zmq.asyncio
 
-from kvtier.errors import InvalidArgumentError, KVTierError, WorkerError
+from kvtier.errors import InvalidArgumentError, KVTierError, ProtocolError, WorkerError
 from kvtier.layout import KVLayout
 from kvtier.region import CPURegion
 from kvtier.transfer.completion import Completion
-from kvtier.transfer.device import DeviceTransfer, open_device_transfer
-from kvtier.workers.jobs import Hello, JobDone, JobSpec, Notice, Welcome, decode, error_from
+from kvtier.transfer.device import DeviceTransfer, RunsNow, open_device_transfer
+from kvtier.workers.jobs import (
+    PIPE_BUF,
+    Hello,
+    JobDone,
+    JobSpec,
+    Notice,
+    Welcome,
+    decode,
+    error_from,
+    pack_record,
+    unpack_records,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -77,6 +97,7 @@ class Worker:
         region: CPURegion,
         transfer: DeviceTransfer,
         scheduler_pid: int,
+        pipes: _Pipes | None,
     ) -> None:
         """Use :meth:`open`."""
         self._ctx = ctx
@@ -85,6 +106,11 @@ class Worker:
         self._region = region
         self._xfer = transfer
         self._scheduler_pid = scheduler_pid
+        self._pipes = pipes
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._threads: list[threading.Thread] = []
+        self._rows_lock = threading.Lock()
+        """Claims change on the loop and on the job threads."""
         self._task: asyncio.Task[None] | None = None
         self._writing: set[int] = set()
         """Rows that a store running here writes."""
@@ -148,6 +174,7 @@ class Worker:
         sock.setsockopt(zmq.LINGER, 0)
         region: CPURegion | None = None
         transfer: DeviceTransfer | None = None
+        pipes: _Pipes | None = None
         rank = layout.tp_rank
         try:
             sock.connect(address)
@@ -186,9 +213,13 @@ class Worker:
             except KVTierError as exc:
                 await sock.send_multipart(Notice("failed", type(exc).__name__, str(exc)).encode())
                 raise
-            await sock.send_multipart(Notice("attached").encode())
-            return cls(ctx, sock, rank, region, transfer, msg.scheduler_pid)
+            if msg.pipes:
+                pipes = _Pipes.make(msg.pipes, rank)
+            await sock.send_multipart(Notice("attached", None, "pipes" if pipes else "").encode())
+            return cls(ctx, sock, rank, region, transfer, msg.scheduler_pid, pipes)
         except BaseException:
+            if pipes is not None:
+                pipes.close()
             if transfer is not None:
                 await transfer.aclose()
             if region is not None:
@@ -207,8 +238,9 @@ class Worker:
             when its process exited. Either way the copies in flight have
             finished and the region is detached.
         """
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
+        self._read_pipes(loop)
         pidfd: int | None = None
         try:
             pidfd = os.pidfd_open(self._scheduler_pid)
@@ -229,6 +261,103 @@ class Worker:
                 os.close(pidfd)
             await self._shutdown(say_bye=self._ending == "stopped" or self._stopping)
         return self._ending
+
+    def _read_pipes(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve the job pipes: a thread each that copies, or the loop for a wrapped copier."""
+        pipes = self._pipes
+        if pipes is None:
+            return
+        for kind, fd in pipes.jobs.items():
+            if isinstance(self._xfer, RunsNow):
+                th = threading.Thread(
+                    target=self._pipe_thread,
+                    args=(fd, self._xfer),
+                    name=f"kvtier-worker-{self._rank}-{kind}",
+                    daemon=True,
+                )
+                th.start()
+                self._threads.append(th)
+            else:
+                os.set_blocking(fd, False)
+                loop.add_reader(fd, self._on_pipe, fd, bytearray())
+
+    def _on_pipe(self, fd: int, buf: bytearray) -> None:
+        with contextlib.suppress(BlockingIOError):
+            buf += os.read(fd, 1 << 16)
+        for msg in self._records(buf):
+            if isinstance(msg, JobSpec):
+                self._run(msg)
+
+    def _records(self, buf: bytearray) -> list[JobSpec | Notice]:
+        try:
+            records = unpack_records(buf)
+        except ProtocolError as exc:
+            log.warning("rank %d: dropped a job pipe's contents: %s", self._rank, exc)
+            buf.clear()
+            return []
+        out: list[JobSpec | Notice] = []
+        for _, frames in records:
+            try:
+                msg = decode(frames)
+            except ProtocolError as exc:
+                log.warning("rank %d: ignored a job pipe record: %s", self._rank, exc)
+                continue
+            if isinstance(msg, JobSpec | Notice):
+                out.append(msg)
+        return out
+
+    def _pipe_thread(self, fd: int, xfer: RunsNow) -> None:
+        """Read jobs from one direction's pipe and copy each on this thread, until stop."""
+        buf = bytearray()
+        while True:
+            try:
+                buf += os.read(fd, 1 << 16)
+            except OSError as exc:  # pragma: no cover - the fd is ours until join
+                log.error("rank %d: job pipe: %s", self._rank, exc)
+                return
+            for msg in self._records(buf):
+                if isinstance(msg, Notice):
+                    if msg.op == "stop":
+                        return
+                    continue
+                try:
+                    rows = self._claim(msg)
+                except InvalidArgumentError as exc:
+                    self._reply_threadsafe(JobDone(msg.job, type(exc).__name__, str(exc)))
+                    continue
+                try:
+                    xfer.run_now(msg.kind == "store", msg.rows, msg.ids, msg.skip)
+                except Exception as exc:  # reported to the scheduler, typed by name
+                    done = JobDone(msg.job, type(exc).__name__, str(exc))
+                else:
+                    done = JobDone(msg.job)
+                finally:
+                    # The copy is over (its memory is free): the rows may serve the next job.
+                    self._release(msg, rows)
+                self._reply_threadsafe(done)
+
+    def _reply_threadsafe(self, done: JobDone) -> None:
+        """Answer from a job thread: on the done pipe, else through the loop's socket."""
+        pipes, loop = self._pipes, self._loop
+        if pipes is not None and pipes.write_done(done, self._rank):
+            return
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens
+                loop.call_soon_threadsafe(self._reply, done)
+
+    async def _stop_pipes(self) -> None:
+        pipes = self._pipes
+        if pipes is None:
+            return
+        threads, self._threads = self._threads, []
+        for fd in pipes.jobs.values():
+            if threads:
+                # The threads read until a stop: one each, after the jobs queued.
+                os.write(fd, pack_record(Notice("stop").encode()))
+            elif self._loop is not None:
+                self._loop.remove_reader(fd)
+        for th in threads:
+            await asyncio.to_thread(th.join)  # its copy in flight finishes first
 
     def _scheduler_exited(self) -> None:
         self._ending = "scheduler_gone"
@@ -254,26 +383,28 @@ class Worker:
         """
         rows: list[int] = spec.rows.tolist()
         store = spec.kind == "store"
-        clash = [r for r in rows if r in self._writing or (store and r in self._reading)]
-        if clash:
-            raise InvalidArgumentError(
-                f"rank {self._rank}: {spec.kind} job {spec.job} names rows {clash[:8]} that "
-                "a job still running here uses: they are not pinned for it"
-            )
-        if store:
-            self._writing.update(rows)
-        else:
-            self._reading.update(rows)
+        with self._rows_lock:
+            clash = [r for r in rows if r in self._writing or (store and r in self._reading)]
+            if clash:
+                raise InvalidArgumentError(
+                    f"rank {self._rank}: {spec.kind} job {spec.job} names rows {clash[:8]} that "
+                    "a job still running here uses: they are not pinned for it"
+                )
+            if store:
+                self._writing.update(rows)
+            else:
+                self._reading.update(rows)
         return rows
 
     def _release(self, spec: JobSpec, rows: list[int]) -> None:
-        if spec.kind == "store":
-            self._writing.difference_update(rows)
-        else:
-            self._reading.subtract(rows)
-            for r in rows:
-                if self._reading[r] <= 0:
-                    del self._reading[r]
+        with self._rows_lock:
+            if spec.kind == "store":
+                self._writing.difference_update(rows)
+            else:
+                self._reading.subtract(rows)
+                for r in rows:
+                    if self._reading[r] <= 0:
+                        del self._reading[r]
 
     def _run(self, spec: JobSpec) -> None:
         try:
@@ -303,16 +434,22 @@ class Worker:
         comp.add_done_callback(finished)
 
     def _reply(self, done: JobDone) -> None:
-        if not self._closed:
-            # Never blocks (no high-water mark); the future is done at once.
-            self._sock.send_multipart(done.encode(), flags=zmq.NOBLOCK)
+        if self._closed:
+            return
+        if self._pipes is not None and self._pipes.write_done(done, self._rank):
+            return
+        # Never blocks (no high-water mark); the future is done at once.
+        self._sock.send_multipart(done.encode(), flags=zmq.NOBLOCK)
 
     async def _shutdown(self, say_bye: bool) -> None:
         if self._closed:
             return
         try:
+            await self._stop_pipes()
             await self._xfer.aclose()  # every copy is done before the rows go
         finally:
+            if self._pipes is not None:
+                self._pipes.close()
             self._region.close()
             if say_bye:
                 with contextlib.suppress(zmq.ZMQError):
@@ -456,3 +593,55 @@ class WorkerThread:
             with contextlib.suppress(RuntimeError):  # its loop has just closed
                 asyncio.run_coroutine_threadsafe(worker.aclose(), loop)
         return self.join(timeout)
+
+
+class _Pipes:
+    """A worker's ends of the group's pipes: its two job pipes, the shared done pipe."""
+
+    def __init__(self, jobs: dict[str, int], done: int) -> None:
+        self.jobs = jobs
+        """Read ends (opened read-write: never end-of-file) by kind."""
+        self.done = done
+        """Write end of the scheduler's done pipe, non-blocking."""
+
+    @classmethod
+    def make(cls, directory: str, rank: int) -> _Pipes | None:
+        """Make and open this rank's job pipes; None (jobs on the socket) if that fails."""
+        jobs: dict[str, int] = {}
+        try:
+            done = os.open(
+                os.path.join(directory, "done"),
+                os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
+            )
+        except OSError as exc:
+            log.warning("rank %d: no done pipe (%s): jobs take the socket", rank, exc)
+            return None
+        try:
+            for kind in ("store", "load"):
+                path = os.path.join(directory, f"{rank}.{kind}")
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # a refused or dead worker's of this rank
+                os.mkfifo(path, 0o600)
+                jobs[kind] = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            log.warning("rank %d: no job pipes (%s): jobs take the socket", rank, exc)
+            for fd in (done, *jobs.values()):
+                os.close(fd)
+            return None
+        return cls(jobs, done)
+
+    def write_done(self, done: JobDone, rank: int) -> bool:
+        """Write an answer in one record; False if it must take the socket instead."""
+        record = pack_record(done.encode(), rank)
+        if len(record) > PIPE_BUF:
+            return False
+        try:
+            os.write(self.done, record)  # whole or not at all, among every writer
+        except (BlockingIOError, BrokenPipeError):
+            return False  # full, or the scheduler is gone (its pidfd says so)
+        return True
+
+    def close(self) -> None:
+        for fd in (self.done, *self.jobs.values()):
+            os.close(fd)
+        self.jobs.clear()

@@ -6,6 +6,7 @@ import asyncio
 import os
 import random
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -23,6 +25,7 @@ from kvtier import (
     InvalidArgumentError,
     KVTierConfig,
     LayoutError,
+    ProtocolError,
     SharedRegionError,
     TransferError,
     WorkerError,
@@ -34,7 +37,16 @@ from kvtier.region import CPURegion
 from kvtier.testing.processes import Children
 from kvtier.transfer.device import DeviceTransfer
 from kvtier.workers import Worker, WorkerGroup, WorkerThread
-from kvtier.workers.jobs import Hello, Notice, decode
+from kvtier.workers.jobs import (
+    PIPE_BUF,
+    Hello,
+    JobDone,
+    JobSpec,
+    Notice,
+    decode,
+    pack_record,
+    unpack_records,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _worker import NUM_BLOCKS, Held, layout_of, make_kv
@@ -339,3 +351,39 @@ async def test_a_worker_serves_from_a_thread_of_its_own() -> None:
             await engine.aclose()
         assert await asyncio.to_thread(handle.join, 10) == "stopped"
         assert not handle.alive
+
+
+def test_pipe_records_come_back_whole_and_in_order() -> None:
+    jobs = [JobSpec(i, "load", np.arange(i, dtype=np.int64), {0: np.arange(i)}, 0) for i in (1, 5)]
+    stream = bytearray(b"".join(pack_record(j.encode(), rank=3) for j in jobs))
+    stream += pack_record(JobDone(9, "TransferError", "boom").encode(), rank=1)[:-2]
+    records = unpack_records(stream)
+    assert [r for r, _ in records] == [3, 3]
+    got = [decode(frames) for _, frames in records]
+    assert [(g.job, g.rows.tolist()) for g in got if isinstance(g, JobSpec)] == [
+        (1, [0]),
+        (5, [0, 1, 2, 3, 4]),
+    ]
+    assert len(stream) > 0  # the record cut short stays for the next read
+    with pytest.raises(ProtocolError):
+        # One frame of 100 bytes declared inside a record of 4.
+        unpack_records(bytearray(struct.pack("<IIII", 4, 0, 1, 100)))
+
+
+async def test_a_job_too_large_for_a_pipe_record_takes_the_socket() -> None:
+    kv = make_kv(0)
+    layout = layout_of(kv, 0, 1)
+    group = WorkerGroup.bind(1)
+    opening = asyncio.ensure_future(Engine.open(config(1), layout, workers=group))
+    handle = await asyncio.to_thread(WorkerThread.start, group.address, layout, kv)
+    engine = await opening
+    try:
+        rows = list(range(group._rows))
+        record = pack_record(JobSpec(0, "store", np.array(rows), {0: np.zeros(len(rows))}).encode())
+        assert len(record) > PIPE_BUF
+        await group.store([5] * len(rows), rows)  # every row gets device block 5
+        await group.load([len(rows) - 1], [12])
+        assert torch.equal(kv[0][:, 12], kv[0][:, 5])
+    finally:
+        await engine.aclose()
+    assert await asyncio.to_thread(handle.join, 10) == "stopped"
