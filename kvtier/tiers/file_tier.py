@@ -765,12 +765,17 @@ async def _measure_depth(
     """
     if prepared.fallback is not None:
         return None
-    where = probe_range(
-        prepared.data_fd, prepared.slots, slot_bytes, max(_PROBE_BYTES, 16 * slot_bytes)
-    )
+    want = max(_PROBE_BYTES, 16 * slot_bytes)
+    where = probe_range(prepared.data_fd, prepared.slots, slot_bytes, want)
     if where is None:
         return None
     offset, length, write = where
+    # Writes: only the first ``want`` bytes of the run, written once untimed
+    # then rewritten at each depth (what the open costs stays bounded on a
+    # large file). Reads: up to six times as much, so that each depth reads
+    # other slots than the one before (a cache under the disk would time
+    # itself, not the device).
+    length = min(length, want if write else 6 * want) // slot_bytes * slot_bytes
     engine = await open_io_engine(config.io_engine, queue_depth=max(QUEUE_DEPTHS))
     try:
         probe = await measure_queue_depth(
