@@ -25,29 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.testing.vllm_model import build_tiny_llama
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 BLOCK = 128
-
-
-def build_model(path: Path, hidden: int, layers: int) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM  # type: ignore[import-not-found]
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=hidden * 3,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=1024,
-        max_position_embeddings=16384,
-        torch_dtype="float32",
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 def open_llm(model: Path, root: Path, max_len: int) -> Any:
@@ -104,7 +87,15 @@ def main() -> None:
     n, shared = args.tokens, args.tokens - BLOCK
     a = [fresh(n) for _ in range(args.reps)]
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(Path(tmp) / "model", args.hidden, args.layers)
+        model = build_tiny_llama(
+            Path(tmp) / "model",
+            hidden=args.hidden,
+            layers=args.layers,
+            heads=8,
+            kv_heads=4,
+            intermediate=args.hidden * 3,
+            max_positions=16384,
+        )
         root = Path(tmp) / "tier"
         res: dict[str, list[float]] = {"cpu": [], "file": [], "recompute": []}
         cached: dict[str, list[int]] = {k: [] for k in res}

@@ -1,4 +1,7 @@
-"""A tiny random Llama and a vLLM instance with or without kvtier, for tests and benchmarks."""
+"""A vLLM instance with or without kvtier, prompts and results, for tests_vllm.
+
+The tiny random models are built by :mod:`kvtier.testing.vllm_model`.
+"""
 
 from __future__ import annotations
 
@@ -13,28 +16,6 @@ from typing import Any
 
 BLOCK_SIZE = 128
 SPEC = {"spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm.spec"}
-
-
-def build_tiny_llama(
-    path: Path, *, hidden: int = 256, layers: int = 4, vocab: int = 1024, seed: int = 0
-) -> Path:
-    """Save a randomly initialised Llama (no download, no tokenizer) under ``path``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=vocab,
-        max_position_embeddings=8192,
-        torch_dtype="float32",
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 def prompts(

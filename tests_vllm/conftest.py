@@ -12,7 +12,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 vllm = pytest.importorskip("vllm", reason="needs vLLM: run `make test-vllm`")
 
-from tests_vllm._harness import build_tiny_llama  # noqa: E402
+from kvtier.testing.vllm_model import build_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="session")
