@@ -34,17 +34,78 @@ from typing import Any
 from redis import exceptions as rx
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from kvtier.config import ClusterTierConfig
 from kvtier.errors import CapacityError, KVTierError, TierIOError
 
-__all__ = ["ClusterClient", "Faults", "make_client", "open_client"]
+__all__ = [
+    "ClusterClient",
+    "Faults",
+    "Parts",
+    "PartsConnection",
+    "PartsSSLConnection",
+    "make_client",
+    "open_client",
+]
 
 log = logging.getLogger("kvtier.cluster_tier")
 
 Command = tuple[Any, ...]
+
+
+class Parts:
+    """A value sent as its parts, never joined here: a block's header, then its row.
+
+    redis-py sends one argument as one buffer, so a value of header and
+    payload would have to be copied into one buffer first: that copy, of
+    a cold 2 MiB row into a cold value buffer, cost more client CPU than the
+    rest of a store together (``benchmarks/cluster_tier.py``). The
+    connections of the tier's client (:class:`_PartsPacking`) write the parts
+    one after the other as one RESP bulk string.
+    """
+
+    __slots__ = ("nbytes", "parts")
+
+    def __init__(self, *parts: memoryview) -> None:
+        self.parts = parts
+        self.nbytes = sum(p.nbytes for p in parts)
+
+    def __repr__(self) -> str:
+        return f"Parts({self.nbytes} bytes)"
+
+
+class _PartsPacking:
+    """Connection mixin: packs a :class:`Parts` argument without copying its payload."""
+
+    encoder: Any
+
+    def pack_command(self, *args: Any) -> list[Any]:
+        if not any(isinstance(a, Parts) for a in args):
+            return super().pack_command(*args)  # type: ignore[misc, no-any-return]
+        out: list[Any] = []
+        buff = b"*%d\r\n" % len(args)
+        for arg in args:
+            if isinstance(arg, Parts):
+                out.append(buff + b"$%d\r\n" % arg.nbytes)
+                # memoryviews: redis-py's pack_commands keeps each as its own chunk.
+                out.extend(arg.parts)
+                buff = b"\r\n"
+            else:
+                data = self.encoder.encode(arg)
+                buff += b"$%d\r\n" % len(data) + bytes(data) + b"\r\n"
+        out.append(buff)
+        return out
+
+
+class PartsConnection(_PartsPacking, Connection):
+    """redis-py's connection, packing :class:`Parts`."""
+
+
+class PartsSSLConnection(_PartsPacking, SSLConnection):
+    """redis-py's TLS connection, packing :class:`Parts`."""
 
 
 @dataclass(slots=True)
@@ -329,6 +390,7 @@ def make_client(config: ClusterTierConfig) -> Redis | RedisCluster:
             ssl_check_hostname=config.tls_check_hostname,
             ssl_cert_reqs=ssl.CERT_REQUIRED,
         )
+    conn_class = PartsSSLConnection if config.tls else PartsConnection
     addrs = config.addresses()
     client: Redis | RedisCluster
     if config.mode == "cluster":
@@ -344,7 +406,13 @@ def make_client(config: ClusterTierConfig) -> Redis | RedisCluster:
             max_connections=max(8, 2 * config.pipelines_per_node),
             **kwargs,
         )
+        # RedisCluster takes no connection class: set it where its nodes,
+        # the startup ones and those it discovers, get theirs.
+        for node in client.nodes_manager.startup_nodes.values():
+            node.connection_class = conn_class
+        client.nodes_manager.connection_kwargs["connection_class"] = conn_class
     else:
         host, port = addrs[0]
         client = Redis(host=host, port=port, **kwargs)
+        client.connection_pool.connection_class = conn_class
     return client

@@ -57,7 +57,7 @@ from kvtier.transfer.completion import Completion
 if TYPE_CHECKING:
     # The client module imports redis (the optional ``cluster`` extra): loaded
     # only when a tier opens, so the engine imports without it.
-    from kvtier.tiers._cluster_client import ClusterClient
+    from kvtier.tiers._cluster_client import ClusterClient, Parts
 
 __all__ = ["ClusterTier", "ClusterTierConfig", "ClusterTierStatistics"]
 
@@ -167,9 +167,11 @@ class ClusterTier(Tier):
     :meth:`aclose` never leaves a half value: a SET is atomic on the server.
 
     **Buffers.** Any contiguous buffer of ``block_bytes`` bytes (no alignment
-    needed). Stores copy each payload once, into the value sent with the
-    header; loads copy the verified payload once from the reply (redis-py
-    allocates every reply).
+    needed). Stores send the payload from the buffer itself, after its
+    header (:class:`~kvtier.tiers._cluster_client.Parts`: no copy by the
+    tier; Python 3.11's transport joins what one write sends, as for any
+    redis-py value); loads copy the verified payload once from the reply
+    (redis-py allocates every reply).
     """
 
     def __init__(
@@ -191,9 +193,9 @@ class ClusterTier(Tier):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._counts = _Counters()
-        self._spare: list[bytearray] = []
-        # Value buffers kept for reuse: what the pipelines in flight hold at most.
-        self._per_pipe = max(1, int(config.max_inflight_bytes) // self._value_bytes)
+        from kvtier.tiers._cluster_client import Parts  # the client is open: redis is there
+
+        self._parts = Parts
 
     # -- opening ------------------------------------------------------------------------
 
@@ -424,16 +426,10 @@ class ClusterTier(Tier):
             stamp = int(time.time())
 
             async def one(node: str, idx: list[int]) -> None:
-                values: list[bytearray] = []
-
                 def commands() -> list[tuple[Any, ...]]:
-                    # Built when the pipeline may go, not when the store is
-                    # called: the values in existence stay within what the
-                    # pipelines in flight hold, so the spare buffers cover
-                    # them (a 128 MiB store built every value at once and
-                    # paid a page fault per 4 KiB of each).
-                    values.extend(self._value(keys[i], views[i], stamp) for i in idx)
-                    return [("SET", rkeys[i], v) for i, v in zip(idx, values, strict=True)]
+                    # Made when the pipeline may go: each header is computed
+                    # (the payload's checksum) just before it is sent.
+                    return [("SET", rkeys[i], self._value(keys[i], views[i], stamp)) for i in idx]
 
                 try:
                     res = await self._client.run(node, commands)
@@ -441,12 +437,6 @@ class ClusterTier(Tier):
                     for i in idx:
                         failed[keys[i]] = exc
                     return
-                finally:
-                    # Sent (or abandoned): the buffers serve the next pipeline,
-                    # which spares an allocation and its page faults per block.
-                    room = self._spare_max() - len(self._spare)
-                    if room > 0:
-                        self._spare.extend(values[:room])
                 for i, r in zip(idx, res, strict=True):
                     if isinstance(r, BaseException):
                         failed[keys[i]] = self._client.error(r, node)
@@ -468,12 +458,10 @@ class ClusterTier(Tier):
         c.bytes_written += len(stored) * self._block_bytes
         return StoreResult(stored=tuple(stored), skipped=skipped, failed=failed)
 
-    def _value(self, key: bytes, payload: memoryview, stamp: int) -> bytearray:
-        value = self._spare.pop() if self._spare else bytearray(self._value_bytes)
-        view = memoryview(value)
-        view[HEADER_BYTES:] = payload
-        _encode(view, key, self._namespace, self._block_bytes, checksum(payload), stamp)
-        return value
+    def _value(self, key: bytes, payload: memoryview, stamp: int) -> Parts:
+        header = memoryview(bytearray(HEADER_BYTES))
+        _encode(header, key, self._namespace, self._block_bytes, checksum(payload), stamp)
+        return self._parts(header, payload)
 
     # -- load ---------------------------------------------------------------------------
 
@@ -625,10 +613,6 @@ class ClusterTier(Tier):
         await self.aclose()
 
     # -- helpers ------------------------------------------------------------------------
-
-    def _spare_max(self) -> int:
-        nodes = max(len(self._config.nodes), self._client.node_count())
-        return self._per_pipe * self._config.pipelines_per_node * nodes
 
     def _remember(self, key: bytes) -> None:
         present = self._present

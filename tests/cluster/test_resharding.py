@@ -19,6 +19,7 @@ from redis.crc import key_slot
 from kvtier.errors import TierIOError
 from kvtier.testing.tier import Rows, block_keys
 from kvtier.testing.valkey import ValkeyCluster
+from kvtier.tiers._cluster_client import PartsConnection
 from kvtier.tiers.base import LoadResult
 from kvtier.tiers.cluster import ClusterTier
 
@@ -95,6 +96,9 @@ async def test_a_half_migrated_slot_redirects_with_ask_then_moved(
         after = await load_checked(tier, old + list(stored.stored) + others)
     assert not after.missing, after.missing
     assert tier.client.get_node_from_key(tier.key_of(old[0])).port == cluster.ports[1]
+    # Values go out as Parts (header, then the row): every node the client
+    # learned of, at open or from a redirect, packs them.
+    assert all(n.connection_class is PartsConnection for n in tier.client.get_nodes())
     stats = tier.statistics()
     assert stats.verification_failures == 0
     assert stats.connection_errors == 0

@@ -30,7 +30,7 @@ from kvtier.config import ClusterTierConfig
 from kvtier.errors import TierIOError
 from kvtier.testing.tier import Rows, block_keys
 from kvtier.testing.valkey import ValkeyCluster
-from kvtier.tiers._cluster_client import make_client
+from kvtier.tiers._cluster_client import PartsSSLConnection, make_client
 from kvtier.tiers.cluster import ClusterTier
 
 from .conftest import BLOCK, NAMESPACE, config_for, running
@@ -203,7 +203,7 @@ async def test_tls_with_a_self_signed_certificate(
         )
         try:
             conn = tier.client.connection_pool.connection_class
-            assert conn is SSLConnection
+            assert issubclass(conn, SSLConnection)
             keys = block_keys(8, salt=33)
             assert len((await tier.store(keys, Rows(8, BLOCK).fill(keys).rows())).stored) == 8
             rows = Rows(8, BLOCK)
@@ -253,7 +253,7 @@ def test_tls_options_reach_the_cluster_client(tmp_path: Path) -> None:
     assert isinstance(client, RedisCluster)
     for node in client.get_nodes() or client.nodes_manager.startup_nodes.values():
         kw = node.connection_kwargs
-        assert node.connection_class is SSLConnection
+        assert node.connection_class is PartsSSLConnection
         assert kw["ssl_ca_certs"] == str(cert)
         assert (kw["ssl_certfile"], kw["ssl_keyfile"]) == (str(cert), str(key))
         assert kw["ssl_check_hostname"] is False
