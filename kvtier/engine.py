@@ -1149,6 +1149,8 @@ class Engine:
         ready: list[bytes] = []
         promote: list[tuple[bytes, int]] = []
         for k in st.todo:
+            if st.index[k] >= st.end:
+                break  # past a miss: nothing more to start
             job = self._inflight.get(k)
             if job is not None:
                 self._wait_on(st, job, [k])
@@ -1161,7 +1163,7 @@ class Engine:
                 break
         if ready:
             self._deliver(st, ready)  # pinned before a promotion below could evict them
-        st.todo = self._promote_some(st, [(k, t) for k, t in promote if st.index[k] < st.end])
+        st.todo = self._promote_some(st, promote)
         return bool(st.todo) or any(st.index[k] < st.end for ks in st.waits.values() for k in ks)
 
     async def _load_wait(self, st: _Load) -> None:
