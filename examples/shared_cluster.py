@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 import kvtier
-from kvtier.config import ClusterTierConfig
 from kvtier.testing.valkey import ValkeyCluster, ValkeyUnavailableError
 
 
@@ -31,7 +30,7 @@ async def instance(nodes: list[str], root: Path) -> tuple[kvtier.Engine, list[to
     config = kvtier.KVTierConfig(
         cpu_bytes_to_use="8MiB",
         file_tier=kvtier.FileTierConfig(root=root, bytes_to_use="64MiB"),
-        cluster_tier=ClusterTierConfig(nodes=nodes, tenant_prefix="team-a"),
+        cluster_tier=kvtier.ClusterTierConfig(nodes=nodes, tenant_prefix="team-a"),
     )
     return await kvtier.Engine.open(config, layout, kv_caches), kv_caches
 

@@ -136,8 +136,13 @@ async def test_cpu_then_cluster_streams_and_loads(valkey_cluster: ValkeyCluster)
         assert st.cluster_traffic is not None
         assert st.cluster_traffic.blocks_out == 8
         assert st.promotions == 8
+        # EngineStatistics covers the cluster tier: blocks, bytes, hits, misses,
+        # verification failures, round trips.
         assert st.cluster is not None
         assert st.cluster.round_trips > 0
+        assert (st.cluster.blocks, st.cluster.hits, st.cluster.misses) == (24, 8, 0)
+        assert (st.cluster.bytes_written, st.cluster.bytes_read) == (24 * ROW, 8 * ROW)
+        assert st.cluster.verification_failures == 0
 
 
 async def test_a_load_larger_than_the_cpu_tier_streams_from_the_cluster(
