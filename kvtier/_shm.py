@@ -33,6 +33,13 @@ The protocol (see docs/cpu-region.md for the picture):
   the name and a late holder would silently create a second, separate file.
   The geometry carries an **instance** token: a party of another instance is
   refused.
+* **Reaping.** A file whose name was never removed (an instance killed whole
+  before every party attached; ranks that said ``holder=True`` killed before
+  their holder came) is stale once no process holds its live lock: the
+  kernel drops the locks of a process that dies, SIGKILL included.
+  :func:`reap` removes such files of this user, under the mutex (as a joiner
+  that finds one does); :func:`attach` runs it before it creates a file, for
+  files left alone for :data:`REAP_AFTER` seconds.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import errno
 import fcntl
 import os
 import re
+import stat
 import struct
 import time
 from dataclasses import dataclass
@@ -52,11 +60,13 @@ from kvtier.errors import CapacityError, InvalidArgumentError, SharedRegionError
 __all__ = [
     "FILE_PREFIX",
     "MAX_WORLD_SIZE",
+    "REAP_AFTER",
     "SHM_DIR",
     "Attachment",
     "Geometry",
     "attach",
     "detach",
+    "reap",
     "region_path",
 ]
 
@@ -78,6 +88,9 @@ _HEADER_BYTES = _RANKS_AT + MAX_WORLD_SIZE // 8
 _MUTEX, _LIVE = 0, 1
 _FLOCK = struct.Struct("@hhqqi4x")  # struct flock on 64-bit Linux
 _DETACH_WAIT = 5.0
+REAP_AFTER = 60.0
+"""Seconds a stale file is left alone before :func:`attach` reaps it: a test
+that holds a crashed instance's file to look at it is over by then."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,6 +341,7 @@ def attach(
     """
     path = region_path(name)
     deadline = time.monotonic() + join_timeout
+    reap(REAP_AFTER)
     while True:
         created = _try_create(path, geometry, rank, holder)
         if created is not None:
@@ -540,6 +554,59 @@ def _check_fields(path: str, h: _Header) -> None:
             f"shared region {path} has a damaged header ({'; '.join(problems)}); "
             "remove the file to start afresh"
         )
+
+
+def reap(older_than: float = 0.0, directory: str = SHM_DIR) -> list[str]:
+    """Remove the region files of this user that no live process holds; return their paths.
+
+    See :func:`kvtier.region.reap_shared_regions` (``older_than``). A file goes
+    only when its header mutex can be taken without waiting (nobody is
+    creating or joining it) and no open file description holds its live lock
+    (no process is attached, whatever its state). Files of other users, and
+    files under the prefix that kvtier did not write, stay.
+    """
+    reaped: list[str] = []
+    now = time.time()
+    try:
+        names = os.listdir(directory)
+    except OSError:  # pragma: no cover - no /dev/shm
+        return reaped
+    for name in names:
+        if not name.startswith(FILE_PREFIX):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue  # gone, another user's, not a file
+        try:
+            st = os.fstat(fd)
+            if (
+                not stat.S_ISREG(st.st_mode)
+                or st.st_uid != os.geteuid()
+                or now - st.st_mtime < older_than
+                or _held_by_others(fd, _LIVE)
+                or not _setlk(fd, fcntl.F_WRLCK, _MUTEX)
+            ):
+                continue
+            try:
+                # Under the mutex, again: a joiner may have attached meanwhile.
+                if os.fstat(fd).st_nlink == 0 or _held_by_others(fd, _LIVE):
+                    continue
+                magic = os.pread(fd, len(_MAGIC), 0)
+                # kvtier's header, or nothing yet (its creator died before writing it).
+                if magic != _MAGIC and magic.strip(b"\0"):
+                    continue
+                h = _read_header(fd)
+                _unlink_names(path, fd, None if h is None else h.data_path)
+                reaped.append(path)
+            finally:
+                _release_mutex(fd)
+        except OSError:  # pragma: no cover - removed or changed under us
+            continue
+        finally:
+            os.close(fd)
+    return reaped
 
 
 def detach(att: Attachment) -> None:

@@ -42,7 +42,7 @@ from kvtier.layout import KVLayout
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CPURegion", "RegionStatistics"]
+__all__ = ["CPURegion", "RegionStatistics", "reap_shared_regions"]
 
 PinMode = Literal["auto", "on", "off"]
 Backing = Literal["anonymous", "shm", "hugetlbfs"]
@@ -557,6 +557,37 @@ class CPURegion:
             f"<CPURegion {state} rows={self.rows} row_stride={self.row_stride} "
             f"world_size={self.world_size} rank={self.rank} backing={self._backing}>"
         )
+
+
+def reap_shared_regions(older_than: float = 0.0) -> list[str]:
+    """Remove this user's shared region files in ``/dev/shm`` that no live process holds.
+
+    A shared region's file loses its name once every party attached, so a
+    crash leaves nothing; an instance killed whole before that (or ranks
+    attached with ``holder=True`` killed before their holder joined) leaves
+    the file. Every :meth:`CPURegion.create` of a shared region reaps files
+    stale for a minute; call this to reap them now (``kvtier gc --shm``).
+
+    Parameters
+    ----------
+    older_than
+        Only files not written for this many seconds; 0 reaps every stale one.
+
+    Returns
+    -------
+    list[str]
+        The paths removed.
+
+    Notes
+    -----
+    Safe beside running instances, this user's or others': a file is removed
+    only if no process holds it (each attached process holds a lock on the
+    file that the kernel drops when the process detaches or dies, SIGKILL
+    included) and nobody is creating or joining it at that moment.
+    """
+    if isinstance(older_than, bool) or not isinstance(older_than, int | float) or older_than < 0:
+        raise InvalidArgumentError(f"older_than must be seconds >= 0, got {older_than!r}")
+    return _shm.reap(float(older_than))
 
 
 def _check_memory(length: int, rows: int, row_stride: int) -> None:

@@ -4,7 +4,8 @@ usage: _worker.py NAME WORLD RANK BUDGET MODE [gate]
 
 MODE ``exchange``: attach, write this rank's slice of every row with ``rank + 1``,
 wait until every other rank's slice holds its value, print a JSON report, close.
-MODE ``hold``: attach, print a JSON report, then sleep until killed.
+MODE ``hold``: attach, print a JSON report, then sleep until killed; ``hold-for-holder``
+the same, attaching with ``holder=True``. RANK ``holder`` attaches the holder (``rank=None``).
 ``gate``: print ``ready`` and wait for a line on stdin before creating, so that
 a test can release many workers into the creation race at once.
 """
@@ -40,8 +41,9 @@ def main() -> None:
             layout(),
             int(budget),
             world_size=int(world),
-            rank=int(rank),
+            rank=None if rank == "holder" else int(rank),
             shared_name=name,
+            holder=mode == "hold-for-holder",
             pin="off",
             join_timeout=10.0,
         )
@@ -52,7 +54,7 @@ def main() -> None:
     rows = [np.frombuffer(region.row(i), dtype=np.uint8) for i in range(region.rows)]
     width = region.slice_bytes
     report = {"created": stats.created, "rows": region.rows, "backing": stats.backing}
-    if mode == "hold":
+    if mode.startswith("hold"):
         print(json.dumps(report), flush=True)
         time.sleep(3600)
     for row in rows:

@@ -19,7 +19,7 @@ import pytest
 from kvtier import _shm
 from kvtier.errors import InvalidArgumentError, SharedRegionError
 from kvtier.layout import KVLayout
-from kvtier.region import CPURegion
+from kvtier.region import CPURegion, reap_shared_regions
 from kvtier.testing.processes import Children
 
 WORKER = Path(__file__).with_name("_worker.py")
@@ -31,7 +31,13 @@ class Workers(Children):
     """Worker processes of one test; every one still running at the end is killed."""
 
     def spawn(  # type: ignore[override]
-        self, name: str, world: int, rank: int, mode: str, *extra: str, budget: int = BUDGET
+        self,
+        name: str,
+        world: int,
+        rank: int | str,
+        mode: str,
+        *extra: str,
+        budget: int = BUDGET,
     ) -> subprocess.Popen[str]:
         return super().spawn(str(WORKER), name, world, rank, budget, mode, *extra)
 
@@ -325,3 +331,57 @@ def test_holder_true_needs_a_rank_and_a_name(layout: KVLayout, shm_name: str) ->
         CPURegion.create(layout, BUDGET, rank=0, holder=True, pin="off")
     with pytest.raises(InvalidArgumentError, match="holder=True"):
         CPURegion.create(layout, BUDGET, rank=None, shared_name=shm_name, holder=True)
+
+
+@pytest.mark.parametrize(
+    "parties",
+    [
+        pytest.param([("holder", "hold"), (0, "hold")], id="instance-killed-before-rank-1-came"),
+        pytest.param(
+            [(0, "hold-for-holder"), (1, "hold-for-holder")], id="ranks-killed-before-the-holder"
+        ),
+    ],
+)
+def test_the_reaper_removes_what_sigkilled_parties_left(
+    workers: Workers, leftovers: Leftovers, shm_name: str, parties: list[tuple[int | str, str]]
+) -> None:
+    path = _shm.region_path(shm_name)
+    procs = []
+    for rank, mode in parties:  # one after the other: the first creates
+        procs.append(workers.spawn(shm_name, 2, rank, mode))
+        assert "rows" in workers.report(procs[-1])
+    assert path not in reap_shared_regions()  # alive: never reaped
+    assert leftovers(shm_name)
+    for proc in procs:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    # Not every party attached: the name stayed, and nobody holds the file now.
+    assert leftovers(shm_name)
+    assert path not in reap_shared_regions(older_than=3600)  # too recent for that
+    assert path in reap_shared_regions()
+    assert not leftovers(shm_name)
+
+
+def test_creating_a_region_reaps_files_stale_for_a_minute(
+    workers: Workers, leftovers: Leftovers, shm_name: str, layout: KVLayout
+) -> None:
+    proc = workers.spawn(shm_name, 2, 0, "hold")
+    workers.report(proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stale = time.time() - _shm.REAP_AFTER - 1
+    os.utime(_shm.region_path(shm_name), (stale, stale))
+    with CPURegion.create(layout, BUDGET, world_size=1, shared_name=f"{shm_name}-b", pin="off"):
+        assert not leftovers(shm_name)
+
+
+def test_the_reaper_leaves_files_it_did_not_write(shm_name: str) -> None:
+    path = _shm.region_path(shm_name)
+    with open(path, "wb") as f:
+        f.write(b"not a region")
+    try:
+        assert path not in reap_shared_regions()
+    finally:
+        os.unlink(path)
+    with pytest.raises(InvalidArgumentError):
+        reap_shared_regions(-1)
