@@ -60,6 +60,7 @@ def test_prefix_loaded_from_cpu_tier(
     st = read_statistics(stats)
     assert st["loaded_blocks"] == SHARED // 128
     assert st["promotions"] == 0  # from CPU rows, not the file tier
+    assert st["events_published"] == 0  # vLLM's KV cache events are off
     assert st["file"]["stores"] >= len(A) // 128  # written through for the next instance
 
 

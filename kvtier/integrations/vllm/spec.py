@@ -37,19 +37,40 @@ block found only on file is promoted into a CPU row while ``lookup`` answers
 answer is ``HIT``, and if it failed the block is gone from both tiers and the
 answer is ``MISS``, so vLLM recomputes it. A worker-side copy (CPU row to KV
 tensor, a memcpy or a CUDA copy) has no failure that vLLM could recover from.
+
+*KV cache events.* When vLLM publishes KV cache events (``kv_events_config``
+with ``enable_kv_cache_events``), :meth:`KVTierOffloadingManager.take_events`
+yields vLLM's ``OffloadingEvent``: keys that became loadable in the CPU tier
+(medium ``CPU``) or were written through to the file tier (``STORAGE``, local,
+ownership ``"kvtier-file"``), and keys evicted or removed from either. vLLM
+turns them into ``BlockStored`` / ``BlockRemoved`` for KV-aware routers. The
+events wait in a queue bounded to :data:`MAX_PENDING_EVENT_KEYS` keys: vLLM
+takes them every scheduler step; if nobody does, the oldest are dropped and
+counted (``events_dropped``), never an unbounded backlog. With events off
+nothing is recorded.
+
+*KV cache groups.* A hybrid model (sliding-window and full-attention layers)
+has one KV cache group per attention kind. vLLM's keys carry the group, its
+``GPULoadStoreSpec`` lists the block ids group after group (``group_sizes``)
+with each group's first logical block (``block_indices``), and the rows of
+the CPU spec follow in the same order, one per offloaded block. Every group's
+layers live in the same canonical tensors (vLLM's hybrid allocator gives
+each tensor one layer of every group), and a block id belongs to one group at
+a time, so a row holds a block's page of every tensor whatever its group.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Collection, Coroutine, Iterable
+from collections.abc import Collection, Coroutine, Iterable, Iterator
 from dataclasses import asdict
 from typing import Any, TypeVar
 
@@ -59,7 +80,10 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
+    Locality,
     LookupResult,
+    Medium,
+    OffloadingEvent,
     OffloadingManager,
     OffloadingSpec,
     OffloadingWorker,
@@ -75,17 +99,19 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import BusyError, ConfigurationError, KVTierError, LayoutError
 from kvtier.integrations.vllm.settings import VLLMSettings, parse_extra_config
 from kvtier.layout import KVLayout, TensorSpec
-from kvtier.manager import ResidencyManager
+from kvtier.manager import BlockRemoved, ManagerEvent, ResidencyManager
 from kvtier.region import CPURegion
 from kvtier.tiers.file_tier import FileTier
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.device import DeviceTransfer, open_device_transfer
 
 __all__ = [
+    "MAX_PENDING_EVENT_KEYS",
     "KVTierOffloadingManager",
     "KVTierOffloadingSpec",
     "KVTierOffloadingWorker",
     "RowsSpec",
+    "group_segments",
     "offload_key_to_kvtier",
 ]
 
@@ -95,6 +121,14 @@ T = TypeVar("T")
 
 _FILE_ALIGNMENT = 4096
 _PERSON = b"kvtier.vllm.v1"
+
+MAX_PENDING_EVENT_KEYS = 1 << 16
+"""Keys of KV cache events kept for :meth:`KVTierOffloadingManager.take_events`.
+
+vLLM takes them every scheduler step, which keeps the queue short; when nobody
+takes them the oldest events are dropped (counted as ``events_dropped``)."""
+
+_FILE_OWNER = "kvtier-file"
 
 
 class RowsSpec(BlockIDsLoadStoreSpec):  # type: ignore[misc]
@@ -118,22 +152,51 @@ def row_layout(config: OffloadingConfig, rank: int = 0) -> KVLayout:
     One row holds ``blocks_per_chunk`` device blocks of every layer of the
     worker (vLLM's ``worker_kv_bytes_per_block`` each). The model id carries
     what vLLM says makes bytes incompatible: model, KV dtype, KV cache layout,
-    layers, tokens per hash.
+    the layers of each KV cache group, tokens per hash.
+
+    Raises
+    ------
+    ConfigurationError
+        For no KV cache group, groups of different block sizes, or several
+        groups with ``blocks_per_chunk > 1`` (see Notes).
+
+    Notes
+    -----
+    With several groups (hybrid models), vLLM stores a sliding-window group's
+    chunk without the blocks that left the window, so with ``blocks_per_chunk
+    > 1`` a store may fill part of a row; kvtier's copier moves whole rows, so
+    several groups need ``blocks_per_chunk == 1`` (vLLM's default).
     """
-    if len(config.groups) != 1:
-        raise ConfigurationError(
-            f"kvtier offloads models with one KV cache group; this one has "
-            f"{len(config.groups)} (hybrid or sliding-window models are not supported yet)"
-        )
-    group = config.groups[0]
+    groups = config.groups
     bpc = config.cache.blocks_per_chunk
+    if not groups:
+        raise ConfigurationError("vLLM gave kvtier no KV cache group to offload")
+    sizes = sorted({g.tokens_per_block for g in groups})
+    if len(sizes) > 1:
+        raise ConfigurationError(
+            f"kvtier needs one block size for every KV cache group; this model's "
+            f"groups have {sizes} tokens per block"
+        )
+    if len(groups) > 1 and bpc != 1:
+        raise ConfigurationError(
+            f"this model has {len(groups)} KV cache groups (a hybrid model); kvtier "
+            f"offloads it with blocks_per_chunk = 1 only, got {bpc}: vLLM stores a "
+            "sliding-window chunk without its freed blocks, a part of a row, and "
+            "kvtier copies whole rows (remove block_size / blocks_per_chunk from "
+            "kv_connector_extra_config)"
+        )
     model_id = json.dumps(
         {
             "integration": "vllm",
             "model": config.model.name,
             "kv_dtype": config.model.dtype,
             "kv_cache_layout": config.kv_cache_layout,
-            "layers": list(group.layer_names),
+            # One group keeps its former id, so file tiers written before stay valid.
+            "layers": (
+                list(groups[0].layer_names)
+                if len(groups) == 1
+                else [list(g.layer_names) for g in groups]
+            ),
             "tokens_per_hash": config.cache.tokens_per_hash,
         },
         sort_keys=True,
@@ -148,7 +211,7 @@ def row_layout(config: OffloadingConfig, rank: int = 0) -> KVLayout:
     return KVLayout(
         tensors=(page,),
         model_id=model_id,
-        block_tokens=group.tokens_per_block,
+        block_tokens=sizes[0],
         blocks_per_chunk=bpc,
         tp_rank=rank,
         tp_size=config.parallel.world_size,
@@ -183,6 +246,59 @@ class _LoopThread:
         self._thread.join(10.0)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+def group_segments(
+    gpu: GPULoadStoreSpec, rows: LoadStoreSpec, bpc: int, *, store: bool
+) -> list[tuple[np.ndarray, list[int], int]]:
+    """Cut one vLLM transfer into ``(device block ids, rows, skip)``, one per KV cache group.
+
+    vLLM lists the device blocks group after group (``group_sizes``), with the
+    logical index of each group's first block (``block_indices``), and the
+    rows in the same order: a group of ``n`` blocks starting ``skip = index %
+    bpc`` blocks into its first row spans ``ceil((n + skip) / bpc)`` rows.
+
+    Raises
+    ------
+    LayoutError
+        When the counts do not add up, or a store would fill part of a row
+        (kvtier's copier stores whole rows).
+    """
+    ids = np.asarray(gpu.block_ids, dtype=np.int64)
+    row_ids = [int(r) for r in np.asarray(rows.block_ids)]
+    out: list[tuple[np.ndarray, list[int], int]] = []
+    at = row = 0
+    for n, first in zip(gpu.group_sizes, gpu.block_indices, strict=True):
+        if not n:
+            continue
+        skip = int(first) % bpc
+        count = -(-(int(n) + skip) // bpc)
+        if store and (skip or int(n) != count * bpc):
+            raise LayoutError(
+                f"vLLM stores {n} blocks from logical block {first} into {count} rows of "
+                f"{bpc} blocks: kvtier stores whole rows only"
+            )
+        out.append((ids[at : at + n], row_ids[row : row + count], skip))
+        at += int(n)
+        row += count
+    if at != len(ids) or row != len(row_ids):
+        raise LayoutError(
+            f"vLLM's transfer names {len(ids)} device blocks and {len(row_ids)} rows; its "
+            f"groups ({list(gpu.group_sizes)} blocks) cover {at} and {row}"
+        )
+    return out
+
+
+@contextlib.contextmanager
+def _on_stream(stream: Any) -> Iterator[None]:
+    """Make ``stream`` this thread's current CUDA stream (None: leave it)."""
+    if stream is None:
+        yield
+        return
+    import torch  # pragma: no cover - needs a GPU
+
+    with torch.cuda.stream(stream):  # pragma: no cover
+        yield
 
 
 class KVTierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
@@ -233,7 +349,10 @@ class KVTierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         """The scheduler side (EngineCore process): residency, file tier."""
         if self._manager is None:
             self._manager = KVTierOffloadingManager.open(
-                self.settings, self.layout, self._region(None)
+                self.settings,
+                self.layout,
+                self._region(None),
+                enable_events=self.kv_events_config.enable_kv_cache_events,
             )
         return self._manager
 
@@ -251,6 +370,12 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     Every method is called by vLLM's scheduler thread, is synchronous and does
     no I/O: file reads and writes are handed to the loop thread.
+
+    *Names.* vLLM's key of a block is kept (``kvtier key -> OffloadKey``) while
+    the block is in the CPU tier, to report it as evicted, and, with events on,
+    while it is in the file tier with its store announced, to announce its
+    removal: blocks a file tier recovered at start-up have no name (kvtier
+    stores its own hashed key) and are announced neither way.
     """
 
     def __init__(
@@ -260,6 +385,8 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         region: CPURegion,
         loop: _LoopThread,
         file_tier: FileTier | None,
+        *,
+        enable_events: bool = False,
     ) -> None:
         """Use :meth:`open`."""
         self._settings = settings
@@ -269,11 +396,19 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._region = region
         self._loop = loop
         self._file = file_tier
-        self._cpu = ResidencyManager(region.rows, self._config.eviction_policy, tier="cpu")
+        self._cpu = ResidencyManager(
+            region.rows, self._config.eviction_policy, tier="cpu", enable_events=enable_events
+        )
         self._names: dict[bytes, OffloadKey] = {}
-        # Results from the loop thread: ("promoted", keys, ok keys) / ("written", keys, failed).
-        self._results: collections.deque[tuple[str, tuple[bytes, ...], frozenset[bytes] | int]]
+        # Results from the loop thread: ("promoted", keys, ok keys), ("written", keys,
+        # failed count), ("events", (), the file tier's events).
+        self._results: collections.deque[tuple[str, tuple[bytes, ...], object]]
         self._results = collections.deque()
+        self._events: collections.deque[OffloadingEvent] | None = (
+            collections.deque() if enable_events else None
+        )
+        self._event_keys = 0
+        self._announced_file: set[bytes] = set()
         self._to_promote: list[bytes] = []
         self._promoting: set[bytes] = set()
         self._writes = 0
@@ -290,14 +425,32 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 "promotion_failures",
                 "file_writes",
                 "write_through_failures",
+                "events_published",
+                "events_dropped",
             ),
             0,
         )
         self._last_stats = ""
 
     @classmethod
-    def open(cls, settings: VLLMSettings, layout: KVLayout, region: CPURegion) -> Any:
-        """Open the file tier (if configured) on a loop thread of its own."""
+    def open(
+        cls,
+        settings: VLLMSettings,
+        layout: KVLayout,
+        region: CPURegion,
+        *,
+        enable_events: bool = False,
+    ) -> KVTierOffloadingManager:
+        """Open the file tier (if configured) on a loop thread of its own.
+
+        Parameters
+        ----------
+        settings, layout, region
+            The adapter's settings, the row layout, the region mapped whole.
+        enable_events
+            Record KV cache events for :meth:`take_events` (vLLM's
+            ``enable_kv_cache_events``).
+        """
         loop = _LoopThread("kvtier-vllm-scheduler")
         file_tier = None
         try:
@@ -309,13 +462,14 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
                         layout,
                         block_bytes=region.row_stride,
                         alignment=min(region.alignment, _FILE_ALIGNMENT),
+                        enable_events=enable_events,
                     )
                 )
         except BaseException:
             loop.stop()
             region.close()
             raise
-        return cls(settings, layout, region, loop, file_tier)
+        return cls(settings, layout, region, loop, file_tier, enable_events=enable_events)
 
     # -- vLLM's OffloadingManager -------------------------------------------------------
 
@@ -334,6 +488,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         # under the GIL, and a stale answer only costs a promotion that fails.
         if self._file is not None and self._file.is_ready(k) and k not in self._to_promote:
             self._to_promote.append(k)
+            self._names[k] = key
             return LookupResult.RETRY
         if k in self._to_promote:
             return LookupResult.RETRY
@@ -372,7 +527,11 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             self._n["store_refusals"] += len(todo)
             return None
         self._n["stores"] += len(plan.keys)
-        evicted = [self._names.pop(k) for k in plan.evicted if k in self._names]
+        for k in plan.keys:
+            self._names[k] = todo[k]
+        self._pull_cpu_events()  # the evictions' names are needed, then forgotten
+        evicted = [self._names[k] for k in plan.evicted if k in self._names]
+        self._forget(plan.evicted)
         return PrepareStoreOutput(
             keys_to_store=[todo[k] for k in plan.keys],
             store_spec=RowsSpec(list(plan.slots)),
@@ -384,6 +543,8 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
     ) -> None:
         ks = [self._key(k) for k in keys]
         self._cpu.complete_store(ks, success)
+        if not success:
+            self._forget(ks)
         if success and self._file is not None and ks:
             if self._file.recovering:
                 self._n["write_through_failures"] += len(ks)
@@ -408,8 +569,19 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._drain()
         return bool(self._promoting or self._to_promote)
 
-    def take_events(self) -> Iterable[Any]:
-        return ()
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """The KV cache events since the last call, oldest first (see the module's Notes).
+
+        Empty unless vLLM enabled KV cache events. A key is announced removed
+        from a medium only after it was announced stored there.
+        """
+        self._drain()
+        if not self._events:
+            return []
+        out = list(self._events)
+        self._events.clear()
+        self._event_keys = 0
+        return out
 
     def reset_cache(self) -> None:
         self._drain()
@@ -418,7 +590,8 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         except BusyError:
             log.warning("reset_cache: blocks are being loaded or stored; nothing was reset")
             return
-        self._names.clear()
+        self._pull_cpu_events()
+        self._forget(list(self._names))
 
     def shutdown(self) -> None:
         """Wait for file writes in flight (30 s at most), close the file tier and region."""
@@ -448,9 +621,62 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         return out
 
     def _key(self, key: OffloadKey) -> bytes:
-        k = offload_key_to_kvtier(bytes(key), self._ns)
-        self._names[k] = key
-        return k
+        return offload_key_to_kvtier(bytes(key), self._ns)
+
+    def _forget(self, keys: Iterable[bytes]) -> None:
+        """Drop the names of blocks that no tier holds under a name any more."""
+        for k in keys:
+            if k not in self._cpu and k not in self._announced_file:
+                self._names.pop(k, None)
+
+    def _publish(self, keys: list[bytes], medium: Medium, removed: bool) -> None:
+        """Queue one event for the named ``keys`` (a bounded queue: see the module)."""
+        events = self._events
+        if events is None:
+            return
+        file = medium is Medium.STORAGE
+        if file and removed:
+            keys = [k for k in keys if k in self._announced_file]
+            self._announced_file.difference_update(keys)
+        names = [self._names[k] for k in keys if k in self._names]
+        if file and not removed:
+            self._announced_file.update(k for k in keys if k in self._names)
+        if not names:
+            return
+        events.append(
+            OffloadingEvent(
+                keys=names,
+                medium=medium,
+                removed=removed,
+                locality=Locality.LOCAL if file else None,
+                ownership=_FILE_OWNER if file else None,
+                # The file tier announces its removals itself.
+                removal_expected=file and not removed,
+            )
+        )
+        self._n["events_published"] += len(names)
+        self._event_keys += len(names)
+        while self._event_keys > MAX_PENDING_EVENT_KEYS and len(events) > 1:
+            old = events.popleft()
+            self._event_keys -= len(old.keys)
+            if not self._n["events_dropped"]:
+                log.warning(
+                    "kvtier's KV cache events are not being taken: dropping the oldest "
+                    "(more than %d keys queued)",
+                    MAX_PENDING_EVENT_KEYS,
+                )
+            self._n["events_dropped"] += len(old.keys)
+
+    def _translate(self, events: Iterable[ManagerEvent], medium: Medium) -> None:
+        for ev in events:
+            removed = isinstance(ev, BlockRemoved)
+            self._publish(list(ev.keys), medium, removed)
+            if removed:
+                self._forget(ev.keys)
+
+    def _pull_cpu_events(self) -> None:
+        if self._events is not None:
+            self._translate(self._cpu.take_events(), Medium.CPU)
 
     def _start_promotions(self) -> None:
         keys = [k for k in self._to_promote if k not in self._cpu]
@@ -462,9 +688,11 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             keys = keys[: len(keys) // 2]
             plan = self._cpu.prepare_store(keys)
         if plan is None:
+            self._forget(keys)
             return  # no free row: those lookups answer MISS next time
-        for k in plan.evicted:
-            self._names.pop(k, None)
+        self._pull_cpu_events()
+        self._forget(plan.evicted)
+        self._forget(set(keys) - set(plan.keys))
         self._promoting.update(plan.keys)
         rows = [self._region.row(s) for s in plan.slots]
         self._loop.soon(self._start_read, plan.keys, rows)
@@ -480,17 +708,29 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
                     self._cpu.complete_store(good, True)
                 if bad:
                     self._cpu.complete_store(bad, False)
+                    self._forget(bad)
                 self._promoting.difference_update(keys)
                 self._n["promotions"] += len(good)
                 self._n["promotion_failures"] += len(bad)
+            elif what == "events":
+                assert isinstance(detail, list)
+                self._translate(detail, Medium.STORAGE)
             else:
                 assert isinstance(detail, int)
                 self._cpu.complete_load(keys)
                 self._writes -= 1
                 self._n["file_writes"] += len(keys) - detail
                 self._n["write_through_failures"] += detail
+        self._pull_cpu_events()
 
     # Loop thread only: start I/O, post the outcome to the queue.
+
+    def _post_file_events(self) -> None:
+        # The file tier's residency belongs to this thread: its events are taken
+        # here, after each operation, and handed over in order with the results.
+        assert self._file is not None
+        if self._events is not None and (events := self._file.take_events()):
+            self._results.append(("events", (), events))
 
     def _start_read(self, keys: tuple[bytes, ...], rows: list[memoryview]) -> None:
         assert self._file is not None
@@ -502,6 +742,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             return
 
         def done(c: Completion[Any]) -> None:
+            self._post_file_events()
             if (exc := c.exception()) is not None:
                 log.warning("file tier read of %d blocks failed: %s", len(keys), exc)
                 self._results.append(("promoted", keys, frozenset()))
@@ -521,8 +762,10 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             log.warning("file tier refused %d blocks: %s", len(keys), exc)
             self._results.append(("written", keys, len(keys)))
             return
+        self._post_file_events()  # the blocks this store evicted
 
         def done(c: Completion[Any]) -> None:
+            self._post_file_events()
             exc = c.exception()
             failed = len(keys) if exc is not None else len(c.result().failed)
             if exc is not None:
@@ -557,6 +800,13 @@ class KVTierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
 
     ``submit_*`` never blocks: the copy is started on a loop thread of the
     worker's own, and its completion is collected by :meth:`get_finished`.
+
+    On CUDA (KV tensors on a GPU) the copier is kvtier's CUDA backend
+    (:func:`~kvtier.transfer.device.open_device_transfer` chooses it by the
+    tensors' device). It orders each copy after the work queued on the
+    submitting thread's current stream; the copy is submitted from the loop
+    thread, so that thread is given the stream that was current in vLLM's
+    thread at ``submit_*`` (where vLLM's own CPU offloading worker waits).
     """
 
     def __init__(
@@ -571,8 +821,8 @@ class KVTierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         self._lock = threading.Condition()
         self._finished: list[TransferResult] = []
         self._done_ids: set[int] = set()
-        self._started: dict[int, float] = {}
         self._closed = False
+        self._cuda = transfer.backend == "cuda"
 
     @classmethod
     def open(
@@ -619,16 +869,11 @@ class KVTierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
-        ids = np.asarray(src_spec.block_ids, dtype=np.int64)
-        rows = [int(r) for r in np.asarray(dst_spec.block_ids)]
-        self._submit(job_id, True, ids, rows, 0)
+        self._submit(job_id, True, src_spec, dst_spec)
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        ids = np.asarray(dst_spec.block_ids, dtype=np.int64)
-        rows = [int(r) for r in np.asarray(src_spec.block_ids)]
-        skip = int(dst_spec.block_indices[0]) % self._bpc if self._bpc > 1 else 0
-        self._submit(job_id, False, ids, rows, skip)
+        self._submit(job_id, False, dst_spec, src_spec)
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -652,34 +897,62 @@ class KVTierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 self._closed = True
                 self._lock.notify_all()
 
-    def _submit(self, job: int, store: bool, ids: np.ndarray, rows: list[int], skip: int) -> None:
+    def _submit(self, job: int, store: bool, gpu: GPULoadStoreSpec, rows: LoadStoreSpec) -> None:
+        t0 = time.perf_counter()
+        ids = np.asarray(gpu.block_ids, dtype=np.int64)
         nbytes = len(ids) * self._layout.bytes_per_block
-        self._loop.soon(self._start, job, store, ids, rows, skip, nbytes, time.perf_counter())
+        stream = None
+        if self._cuda:  # pragma: no cover - needs a GPU
+            import torch
+
+            stream = torch.cuda.current_stream()
+        self._loop.soon(self._start, job, store, gpu, rows, stream, nbytes, t0)
 
     def _start(
         self,
         job: int,
         store: bool,
-        ids: np.ndarray,
-        rows: list[int],
-        skip: int,
+        gpu: GPULoadStoreSpec,
+        rows: LoadStoreSpec,
+        stream: Any,
         nbytes: int,
         t0: float,
     ) -> None:
-        group = {g: ids for g in self._layout.groups}
         try:
-            comp = self._xfer.store(group, rows) if store else self._xfer.load(rows, group, skip)
+            parts = group_segments(gpu, rows, self._bpc, store=store)
+            comps = []
+            with _on_stream(stream):
+                for ids, part_rows, skip in parts:
+                    group = {g: ids for g in self._layout.groups}
+                    comps.append(
+                        self._xfer.store(group, part_rows)
+                        if store
+                        else self._xfer.load(part_rows, group, skip)
+                    )
         except Exception:
+            # Segments already queued still copy; the job fails (vLLM then
+            # treats its blocks as lost) and nothing reuses them meanwhile.
             log.exception("kvtier could not start job %d", job)
             self._finish(job, False, nbytes, t0)
             return
+        if not comps:
+            self._finish(job, True, nbytes, t0)
+            return
+        left = [len(comps)]
+        failed: list[BaseException] = []
 
         def done(c: Completion[None]) -> None:
             if (exc := c.exception()) is not None:
-                log.error("kvtier job %d failed: %s", job, exc)
-            self._finish(job, exc is None, nbytes, t0)
+                failed.append(exc)
+            left[0] -= 1
+            if left[0]:
+                return
+            if failed:
+                log.error("kvtier job %d failed: %s", job, failed[0])
+            self._finish(job, not failed, nbytes, t0)
 
-        comp.add_done_callback(done)
+        for comp in comps:
+            comp.add_done_callback(done)
 
     def _finish(self, job: int, ok: bool, nbytes: int, t0: float) -> None:
         with self._lock:
