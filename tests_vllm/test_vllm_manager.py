@@ -1,0 +1,164 @@
+"""The scheduler side alone, with vLLM's own types: what no engine run reaches cheaply.
+
+The spec is built from a real ``OffloadingConfig`` and its manager driven as
+vLLM's scheduler drives it, in this process (no model, no worker).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvtier.errors import ConfigurationError
+
+ROW = 4096
+
+
+def _config(*, events: bool, groups: int = 1, blocks_per_chunk: int = 1) -> Any:
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=tuple(
+            OffloadingGroupConfig(
+                tokens_per_block=128, layer_names=(f"layers.{g}.attn",), group_id=g
+            )
+            for g in range(groups)
+        ),
+        worker_kv_bytes_per_block=ROW,
+        enable_kv_cache_events=events,
+        extra_config={
+            "spec_name": "KVTierOffloadingSpec",
+            "spec_module_path": "kvtier.integrations.vllm.spec",
+            "cpu_bytes_to_use": 8 * ROW * blocks_per_chunk,
+        },
+        engine_id=f"test-{uuid.uuid4()}",
+        model=OffloadingModelConfig(name="tiny", dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=128, blocks_per_chunk=blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+
+
+def _manager(events: bool) -> Iterator[Any]:
+    from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
+
+    manager = KVTierOffloadingSpec(_config(events=events)).get_manager()
+    try:
+        yield manager
+    finally:
+        manager.shutdown()
+
+
+@pytest.fixture
+def with_events() -> Iterator[Any]:
+    yield from _manager(True)
+
+
+@pytest.fixture
+def without_events() -> Iterator[Any]:
+    yield from _manager(False)
+
+
+def _store(manager: Any, n: int) -> list[bytes]:
+    """Store ``n`` blocks one by one into 8 rows, as vLLM would: each evicts one."""
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+
+    ctx = ReqContext(req_id="r")
+    keys = [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(n)]
+    for key in keys:
+        out = manager.prepare_store([key], ctx)
+        assert out is not None
+        assert out.keys_to_store == [key]
+        manager.complete_store([key], ctx)
+    return keys
+
+
+def test_events_follow_the_cpu_tier(with_events: Any) -> None:
+    from vllm.v1.kv_offload.base import Medium
+
+    keys = _store(with_events, 10)
+    events = list(with_events.take_events())
+    assert all(ev.medium is Medium.CPU for ev in events)
+    stored = [k for ev in events if not ev.removed for k in ev.keys]
+    removed = [k for ev in events if ev.removed for k in ev.keys]
+    assert stored == keys  # vLLM's own keys, in order
+    assert removed == keys[:2]  # 8 rows: the two oldest were evicted
+    assert list(with_events.take_events()) == []  # taken once
+    with_events.reset_cache()
+    (reset,) = with_events.take_events()
+    assert reset.removed
+    assert sorted(reset.keys) == sorted(keys[2:])
+
+
+def test_events_nobody_takes_are_bounded(with_events: Any) -> None:
+    from kvtier.integrations.vllm.spec import MAX_PENDING_EVENT_KEYS
+
+    n = MAX_PENDING_EVENT_KEYS // 2 + 100  # each store announces 2 keys once full
+    keys = _store(with_events, n)
+    events = list(with_events.take_events())
+    kept = sum(len(ev.keys) for ev in events)
+    st = with_events.statistics()
+    assert kept <= MAX_PENDING_EVENT_KEYS
+    assert st["events_dropped"] > 0
+    assert kept + st["events_dropped"] == st["events_published"]
+    # The newest are kept: the last store is the last event.
+    assert events[-1].keys == [keys[-1]]
+    assert not events[-1].removed
+
+
+def test_no_events_unless_vllm_enables_them(without_events: Any) -> None:
+    _store(without_events, 10)
+    assert list(without_events.take_events()) == []
+    assert without_events.statistics()["events_published"] == 0
+
+
+def test_several_groups_need_one_block_per_chunk() -> None:
+    from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
+
+    with pytest.raises(ConfigurationError, match="blocks_per_chunk = 1"):
+        KVTierOffloadingSpec(_config(events=False, groups=2, blocks_per_chunk=2))
+
+
+def test_a_transfer_is_cut_per_group() -> None:
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier.errors import LayoutError
+    from kvtier.integrations.vllm.spec import RowsSpec, group_segments
+
+    # Group 0: 3 blocks from logical block 0; group 1 empty; group 2: 2 blocks.
+    gpu = GPULoadStoreSpec([7, 8, 9, 4, 5], group_sizes=[3, 0, 2], block_indices=[0, 0, 6])
+    parts = group_segments(gpu, RowsSpec([10, 11, 12, 13, 14]), 1, store=True)
+    assert [(list(ids), rows, skip) for ids, rows, skip in parts] == [
+        ([7, 8, 9], [10, 11, 12], 0),
+        ([4, 5], [13, 14], 0),
+    ]
+    # Two blocks a row: group 2 starts in the middle of its first row (a load).
+    gpu = GPULoadStoreSpec([7, 8, 9, 4, 5], group_sizes=[3, 0, 2], block_indices=[0, 0, 5])
+    with pytest.raises(LayoutError, match="cover"):
+        group_segments(gpu, RowsSpec([10, 11, 12, 13, 14]), 2, store=False)
+    parts = group_segments(gpu, RowsSpec([10, 11, 12, 13]), 2, store=False)
+    assert [(list(ids), rows, skip) for ids, rows, skip in parts] == [
+        ([7, 8, 9], [10, 11], 0),
+        ([4, 5], [12, 13], 1),
+    ]
+    with pytest.raises(LayoutError, match="whole rows"):
+        group_segments(gpu, RowsSpec([10, 11, 12, 13]), 2, store=True)
