@@ -9,6 +9,7 @@ import contextlib
 import gc
 import json
 import random
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,3 +85,52 @@ def generate(llm: Any, tokens: list[int], max_tokens: int = 8) -> Result:
 
 def read_statistics(path: Path) -> dict[str, Any]:
     return dict(json.loads(path.read_text()))
+
+
+def offloading_config(
+    *,
+    events: bool = False,
+    groups: int = 1,
+    blocks_per_chunk: int = 1,
+    row_bytes: int = 4096,
+    engine_id: str | None = None,
+) -> Any:
+    """vLLM's ``OffloadingConfig`` for kvtier, as vLLM builds it: one rank, 8 rows."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=tuple(
+            OffloadingGroupConfig(
+                tokens_per_block=128, layer_names=(f"layers.{g}.attn",), group_id=g
+            )
+            for g in range(groups)
+        ),
+        worker_kv_bytes_per_block=row_bytes,
+        enable_kv_cache_events=events,
+        extra_config={
+            "spec_name": "KVTierOffloadingSpec",
+            "spec_module_path": "kvtier.integrations.vllm.spec",
+            "cpu_bytes_to_use": 8 * row_bytes * blocks_per_chunk,
+        },
+        engine_id=engine_id or f"test-{uuid.uuid4()}",
+        model=OffloadingModelConfig(name="tiny", dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=128, blocks_per_chunk=blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )

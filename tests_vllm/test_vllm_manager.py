@@ -6,62 +6,19 @@ vLLM's scheduler drives it, in this process (no model, no worker).
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from kvtier.errors import ConfigurationError
-
-ROW = 4096
-
-
-def _config(*, events: bool, groups: int = 1, blocks_per_chunk: int = 1) -> Any:
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    return OffloadingConfig(
-        groups=tuple(
-            OffloadingGroupConfig(
-                tokens_per_block=128, layer_names=(f"layers.{g}.attn",), group_id=g
-            )
-            for g in range(groups)
-        ),
-        worker_kv_bytes_per_block=ROW,
-        enable_kv_cache_events=events,
-        extra_config={
-            "spec_name": "KVTierOffloadingSpec",
-            "spec_module_path": "kvtier.integrations.vllm.spec",
-            "cpu_bytes_to_use": 8 * ROW * blocks_per_chunk,
-        },
-        engine_id=f"test-{uuid.uuid4()}",
-        model=OffloadingModelConfig(name="tiny", dtype="float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=128, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-    )
+from tests_vllm._harness import offloading_config
 
 
 def _manager(events: bool) -> Iterator[Any]:
     from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
 
-    manager = KVTierOffloadingSpec(_config(events=events)).get_manager()
+    manager = KVTierOffloadingSpec(offloading_config(events=events)).get_manager()
     try:
         yield manager
     finally:
@@ -135,7 +92,7 @@ def test_several_groups_need_one_block_per_chunk() -> None:
     from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
 
     with pytest.raises(ConfigurationError, match="blocks_per_chunk = 1"):
-        KVTierOffloadingSpec(_config(events=False, groups=2, blocks_per_chunk=2))
+        KVTierOffloadingSpec(offloading_config(events=False, groups=2, blocks_per_chunk=2))
 
 
 def test_a_transfer_is_cut_per_group() -> None:
