@@ -626,7 +626,12 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def _forget(self, keys: Iterable[bytes]) -> None:
         """Drop the names of blocks that no tier holds under a name any more."""
         for k in keys:
-            if k not in self._cpu and k not in self._announced_file:
+            if (
+                k not in self._cpu
+                and k not in self._announced_file
+                and k not in self._promoting
+                and k not in self._to_promote
+            ):
                 self._names.pop(k, None)
 
     def _publish(self, keys: list[bytes], medium: Medium, removed: bool) -> None:
@@ -679,21 +684,21 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             self._translate(self._cpu.take_events(), Medium.CPU)
 
     def _start_promotions(self) -> None:
-        keys = [k for k in self._to_promote if k not in self._cpu]
+        wanted = [k for k in self._to_promote if k not in self._cpu]
         self._to_promote.clear()
-        if not keys:
-            return
-        plan = self._cpu.prepare_store(keys)
+        keys = wanted
+        plan = self._cpu.prepare_store(keys) if keys else None
         while plan is None and len(keys) > 1:
             keys = keys[: len(keys) // 2]
             plan = self._cpu.prepare_store(keys)
+        if plan is not None:
+            self._promoting.update(plan.keys)
+            self._pull_cpu_events()
+            self._forget(plan.evicted)
+        # Those left out (no free row) answer MISS at their next lookup.
+        self._forget(wanted)
         if plan is None:
-            self._forget(keys)
-            return  # no free row: those lookups answer MISS next time
-        self._pull_cpu_events()
-        self._forget(plan.evicted)
-        self._forget(set(keys) - set(plan.keys))
-        self._promoting.update(plan.keys)
+            return
         rows = [self._region.row(s) for s in plan.slots]
         self._loop.soon(self._start_read, plan.keys, rows)
 
