@@ -1,9 +1,10 @@
 """A scheduler process of the process-kill tests (run as a script, not collected).
 
-usage: _scheduler.py ROOT WORLD SEED JOURNAL
+usage: _scheduler.py ROOT WORLD SEED JOURNAL SOCKET_DIR
 
-It binds a :class:`WorkerGroup`, prints ``{"address", "instance", "pid"}`` on
-stdout (the test starts the workers, ``_worker.py``), opens an engine with a
+It binds a :class:`WorkerGroup` in SOCKET_DIR (a private directory the test
+made, so that it can start the workers, ``_worker.py``, at the same time as
+this process), prints ``{"address", "instance", "pid"}`` on stdout, opens an engine with a
 write-through file tier at ROOT, appends ``R`` to JOURNAL once every rank has
 attached, then stores and loads chains until it is killed. Chain ``t`` (its
 tokens are ``16 t .. 16 t + 15``, four keys) is always stored from device
@@ -22,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _worker import layout_of, make_kv
+from _worker import rank_layout
 
 from kvtier import FileTierConfig, KVTierConfig, KVTierError, chain_keys
 from kvtier.engine import Engine
@@ -44,9 +45,9 @@ def chain(engine: Engine, t: int) -> list[bytes]:
     return chain_keys(list(range(16 * t, 16 * t + 16)), engine.block_tokens, engine.namespace)
 
 
-async def main(root: Path, world: int, seed: int, journal: Path) -> None:
+async def main(root: Path, world: int, seed: int, journal: Path, socket_dir: str) -> None:
     rng = random.Random(seed)
-    group = WorkerGroup.bind(world)
+    group = WorkerGroup.bind(world, directory=socket_dir)
     print(
         json.dumps(
             {"address": group.address, "instance": group.instance.hex(), "pid": os.getpid()}
@@ -55,7 +56,7 @@ async def main(root: Path, world: int, seed: int, journal: Path) -> None:
     )
     fd = os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     engine = await Engine.open(
-        config(root, world), layout_of(make_kv(0), 0, world), workers=group, worker_timeout=60
+        config(root, world), rank_layout(0, world), workers=group, worker_timeout=60
     )
     os.write(fd, b"R\n")
     try:
@@ -75,4 +76,5 @@ async def main(root: Path, world: int, seed: int, journal: Path) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])))
+    root, world, seed, journal, socket_dir = sys.argv[1:6]
+    asyncio.run(main(Path(root), int(world), int(seed), Path(journal), socket_dir))

@@ -17,20 +17,25 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from kvtier.layout import KVLayout
+from kvtier.layout import KVLayout, TensorSpec
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.device import BlockIds, DeviceTransfer, TransferStatistics
 from kvtier.workers import Worker
+
+if TYPE_CHECKING:
+    import torch
 
 NUM_BLOCKS = 16
 
 
 def make_kv(rank: int) -> list[torch.Tensor]:
     """Rank ``rank``'s KV tensor: blocks 0-7 seeded by the rank, 8-15 zero."""
+    import torch  # here: a scheduler process needs no torch (1.7 s to import)
+
     g = torch.Generator().manual_seed(1000 + rank)
     kv = torch.zeros(2, NUM_BLOCKS, 4, 64, dtype=torch.uint8)
     kv[:, :8] = torch.randint(0, 256, (2, 8, 4, 64), dtype=torch.uint8, generator=g)
@@ -41,6 +46,12 @@ def layout_of(kv: list[torch.Tensor], rank: int, world: int, model: str = "m") -
     return KVLayout.from_tensors(
         kv, model_id=model, block_tokens=4, num_blocks=NUM_BLOCKS, tp_rank=rank, tp_size=world
     )
+
+
+def rank_layout(rank: int, world: int) -> KVLayout:
+    """``layout_of(make_kv(rank), rank, world)`` without torch, for a scheduler process."""
+    spec = TensorSpec("kv[0]", (2, NUM_BLOCKS, 4, 64), "uint8", 1, True)
+    return KVLayout(tensors=(spec,), model_id="m", block_tokens=4, tp_rank=rank, tp_size=world)
 
 
 class Held(DeviceTransfer):
@@ -92,6 +103,8 @@ def slow(inner: DeviceTransfer) -> DeviceTransfer:
 
 
 async def main() -> None:
+    import torch
+
     address, rank, world, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     kv = make_kv(rank)
     worker = await Worker.open(
