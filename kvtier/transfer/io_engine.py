@@ -85,8 +85,8 @@ def suggested_queue_depth(block_bytes: int, *, limit: int = 32) -> int:
 QUEUE_DEPTHS = (1, 4, 8, 16, 32)
 """The depths :func:`measure_queue_depth` tries by default."""
 
-_STEP_BYTES = 64 << 20
-"""Bytes moved at each depth tried, at least (two full queues where that is more)."""
+_STEP_BYTES = 32 << 20
+"""Bytes moved at each depth tried, per round, at least (two full queues where that is more)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +96,7 @@ class DepthProbe:
     depth: int
     """The deepest depth within ``tolerance`` of the fastest one."""
     gbps: tuple[tuple[int, float], ...]
-    """``(depth, GB/s)`` for each depth tried, in the order tried."""
+    """``(depth, GB/s)`` for each depth tried, its best round, in the order of ``depths``."""
     write: bool
     """True when the probe wrote (zeros), False when it read."""
     seconds: float
@@ -115,14 +115,18 @@ async def measure_queue_depth(
     depths: Sequence[int] = QUEUE_DEPTHS,
     tolerance: float = 0.05,
     warm_up: bool = False,
+    rounds: int = 2,
 ) -> DepthProbe:
     """Time requests of ``request_bytes`` at each of ``depths`` and choose one.
 
     At each depth, ``depth`` chains of requests run side by side (so exactly
     ``depth`` are in flight) over ``[offset, offset + length)``, request after
-    request, wrapping at the end; each depth moves at least 64 MiB and two
+    request, wrapping at the end; each depth moves at least 32 MiB and two
     full queues, on its own part of the range where the range is long enough
-    (so that no depth reads what a cache kept from the one before).
+    (so that no depth reads what a cache kept from the one before). The
+    depths are timed in ``rounds`` rounds, in turn ascending and descending,
+    and each keeps its best rate: other work on a shared machine only ever
+    slows a step down, and a drift of the device favours no depth.
 
     Parameters
     ----------
@@ -152,6 +156,8 @@ async def measure_queue_depth(
         first write of a never-written block can cost the device more than
         the next ones (a thin-provisioned virtual disk allocates it), which
         the first depth tried would pay alone.
+    rounds
+        Times each depth is timed (at least 1).
 
     Returns
     -------
@@ -195,25 +201,27 @@ async def measure_queue_depth(
         except ExceptionGroup as failed:
             raise failed.exceptions[0] from None
 
-    rates: list[tuple[int, float]] = []
+    best_rate = dict.fromkeys(depths, 0.0)
     try:
         if warm_up:
             await run(max(depths), count)
-        for depth in depths:
-            n = max(2 * depth, -(-_STEP_BYTES // request_bytes))
-            t0 = time.perf_counter()
-            await run(depth, n)
-            rates.append((depth, n * request_bytes / (time.perf_counter() - t0) / 1e9))
-            at += n
+        for r in range(max(1, rounds)):
+            for depth in depths if r % 2 == 0 else reversed(depths):
+                n = max(2 * depth, -(-_STEP_BYTES // request_bytes))
+                t0 = time.perf_counter()
+                await run(depth, n)
+                rate = n * request_bytes / (time.perf_counter() - t0) / 1e9
+                best_rate[depth] = max(best_rate[depth], rate)
+                at += n
     finally:
         # A request of a failed chain may still be in the kernel: the mapping
         # then stays until its views are gone.
         with contextlib.suppress(BufferError):
             view.release()
             buffer.close()
-    best = max(rate for _, rate in rates)
-    chosen = max(d for d, rate in rates if rate >= (1 - tolerance) * best)
-    return DepthProbe(chosen, tuple(rates), write, time.perf_counter() - started)
+    best = max(best_rate.values())
+    chosen = max(d for d, rate in best_rate.items() if rate >= (1 - tolerance) * best)
+    return DepthProbe(chosen, tuple(best_rate.items()), write, time.perf_counter() - started)
 
 
 _probe_result: list[str | None] = []
