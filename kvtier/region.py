@@ -566,7 +566,8 @@ def reap_shared_regions(older_than: float = 0.0) -> list[str]:
     crash leaves nothing; an instance killed whole before that (or ranks
     attached with ``holder=True`` killed before their holder joined) leaves
     the file. Every :meth:`CPURegion.create` of a shared region reaps files
-    stale for a minute; call this to reap them now (``kvtier gc --shm``).
+    stale for a minute; call this to reap them now (a serving integration
+    at start-up, or by hand).
 
     Parameters
     ----------
