@@ -27,7 +27,7 @@ import errno
 import logging
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,8 @@ from redis.backoff import NoBackoff
 
 from kvtier.config import ClusterTierConfig
 from kvtier.errors import CapacityError, KVTierError, TierIOError
+from kvtier.tiers._cluster_reader import DirectReader, Reply, direct_ssl_context
+from kvtier.tiers._format import HEADER_BYTES
 
 __all__ = [
     "ClusterClient",
@@ -162,6 +164,7 @@ def _is_connection_fault(exc: BaseException) -> bool:
             rx.TimeoutError,
             ConnectionError,
             TimeoutError,
+            OSError,
             rx.ClusterDownError,
         ),
     )
@@ -170,9 +173,15 @@ def _is_connection_fault(exc: BaseException) -> bool:
 class ClusterClient:
     """Pipelines of commands to the nodes of a cluster, or to one server."""
 
-    def __init__(self, config: ClusterTierConfig, client: Redis | RedisCluster) -> None:
+    def __init__(
+        self,
+        config: ClusterTierConfig,
+        client: Redis | RedisCluster,
+        reader: DirectReader | None = None,
+    ) -> None:
         self._config = config
         self._client = client
+        self._reader = reader
         self._cluster = isinstance(client, RedisCluster)
         self._max_bytes = int(config.max_inflight_bytes)
         self._timeout = config.timeout_s
@@ -255,6 +264,42 @@ class ClusterClient:
             When the whole pipeline failed (connection, timeout): every command's
             block fails with it.
         """
+
+        async def send() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for cmd in commands() if callable(commands) else commands:
+                pipe.execute_command(*cmd)
+            results: list[Any] = await pipe.execute(raise_on_error=False)
+            return results
+
+        return await self._guarded(node, send)
+
+    @property
+    def direct(self) -> bool:
+        """True when loads read replies straight into rows (:meth:`get_into`)."""
+        return self._reader is not None
+
+    async def get_into(
+        self, node: str, rkeys: Sequence[bytes], rows: Sequence[memoryview]
+    ) -> list[Reply]:
+        """GET ``rkeys`` from ``node`` in one pipeline, each payload straight into its row.
+
+        One :data:`~kvtier.tiers._cluster_reader.Reply` per key; an error
+        reply (MOVED, ASK, ...) is returned, not followed.
+
+        Raises
+        ------
+        KVTierError
+            When the whole pipeline failed (connection, timeout): the rows
+            hold no valid data, and none is written after this returns.
+        """
+        reader = self._reader
+        if reader is None:
+            raise RuntimeError("direct reads are off")
+        return await self._guarded(node, lambda: reader.get_into(node, rkeys, rows))
+
+    async def _guarded(self, node: str, send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        """``send()`` under ``node``'s bound on pipelines in flight, its timeout and backoff."""
         gate = self._gates.get(node)
         if gate is None:
             gate = self._gates[node] = asyncio.Semaphore(self._config.pipelines_per_node)
@@ -263,13 +308,10 @@ class ClusterClient:
                 self.faults.reconnects += 1
                 if self._cluster:
                     await self._refresh_slots()
-            pipe = self._client.pipeline(transaction=False)
-            for cmd in commands() if callable(commands) else commands:
-                pipe.execute_command(*cmd)
             self.faults.round_trips += 1
             try:
                 async with asyncio.timeout(self._timeout):
-                    results: list[Any] = await pipe.execute(raise_on_error=False)
+                    results = await send()
             except Exception as exc:
                 if _is_connection_fault(exc):
                     self._failed(node)
@@ -284,6 +326,8 @@ class ClusterClient:
         delay = min(delay, self._config.backoff_max_s)
         self._delay[node] = delay
         self._down_until[node] = time.monotonic() + delay
+        if self._reader is not None:
+            self._reader.drop(node)
         log.warning("cluster node %s failed; next try in %.2f s", node, delay)
 
     async def _refresh_slots(self) -> None:
@@ -296,6 +340,8 @@ class ClusterClient:
 
     async def aclose(self) -> None:
         """Close every connection."""
+        if self._reader is not None:
+            await self._reader.aclose()
         await self._client.aclose()
 
 
@@ -366,7 +412,23 @@ async def open_client(config: ClusterTierConfig) -> ClusterClient:
         if isinstance(exc, Exception):
             raise _open_error(exc, config) from exc
         raise
-    return ClusterClient(config, client)
+    reader = None
+    if config.direct_reads:
+        reader = DirectReader(
+            header_bytes=HEADER_BYTES,
+            username=config.username,
+            password=None if config.password is None else config.password.get_secret_value(),
+            ssl_context=None
+            if not config.tls
+            else direct_ssl_context(
+                None if config.tls_ca_file is None else str(config.tls_ca_file),
+                None if config.tls_cert_file is None else str(config.tls_cert_file),
+                None if config.tls_key_file is None else str(config.tls_key_file),
+                config.tls_check_hostname,
+            ),
+            connect_timeout_s=config.connect_timeout_s,
+        )
+    return ClusterClient(config, client, reader)
 
 
 def make_client(config: ClusterTierConfig) -> Redis | RedisCluster:

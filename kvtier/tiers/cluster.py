@@ -49,6 +49,7 @@ from kvtier.errors import (
 )
 from kvtier.keys import KEY_BYTES, check_keys
 from kvtier.layout import KVLayout
+from kvtier.tiers._cluster_reader import BulkError
 from kvtier.tiers._format import HEADER_BYTES, HeaderError, checksum, decode_header_fields
 from kvtier.tiers._format import encode_header_fields as _encode
 from kvtier.tiers.base import LoadResult, StoreResult, Tier
@@ -493,7 +494,19 @@ class ClusterTier(Tier):
             missing[keys[i]] = exc
         faults = len(early)
 
-        async def one(node: str, idx: list[int]) -> None:
+        def settle(key: bytes, problem: KVTierError | None) -> None:
+            if problem is None:
+                loaded.add(key)
+                return
+            missing[key] = problem
+            if isinstance(problem, BlockNotFoundError):
+                if key in self._present:
+                    c.vanished += 1
+            else:
+                c.verify_failed += 1
+            self._present.pop(key, None)
+
+        async def via_redis(node: str, idx: list[int]) -> None:
             nonlocal faults
             try:
                 res = await self._client.run(node, [("GET", rkeys[i]) for i in idx])
@@ -503,22 +516,34 @@ class ClusterTier(Tier):
                     missing[keys[i]] = exc
                 return
             for i, value in zip(idx, res, strict=True):
-                key = keys[i]
                 if isinstance(value, BaseException):
                     faults += 1
-                    missing[key] = self._client.error(value, node)
-                    continue
-                problem = self._verify_into(key, value, views[i])
-                if problem is None:
-                    loaded.add(key)
-                    continue
-                missing[key] = problem
-                if isinstance(problem, BlockNotFoundError):
-                    if key in self._present:
-                        c.vanished += 1
+                    missing[keys[i]] = self._client.error(value, node)
                 else:
-                    c.verify_failed += 1
-                self._present.pop(key, None)
+                    settle(keys[i], self._verify_into(keys[i], value, views[i]))
+
+        async def one(node: str, idx: list[int]) -> None:
+            nonlocal faults
+            if not self._client.direct:
+                await via_redis(node, idx)
+                return
+            try:
+                res = await self._client.get_into(
+                    node, [rkeys[i] for i in idx], [views[i] for i in idx]
+                )
+            except KVTierError as exc:
+                faults += len(idx)
+                for i in idx:
+                    missing[keys[i]] = exc
+                return
+            again = []
+            for i, reply in zip(idx, res, strict=True):
+                if isinstance(reply, BulkError):
+                    again.append(i)  # MOVED, ASK, ...: redis-py follows them
+                else:
+                    settle(keys[i], self._verify_reply(keys[i], reply, views[i]))
+            if again:
+                await via_redis(node, again)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(one(node, idx) for node, idx in plans))
@@ -531,6 +556,36 @@ class ClusterTier(Tier):
         c.load_failures += faults
         c.bytes_read += len(loaded) * self._block_bytes
         return LoadResult(loaded=tuple(k for k in keys if k in loaded), missing=missing)
+
+    def _verify_reply(
+        self, key: bytes, reply: bytearray | int | None, row: memoryview
+    ) -> KVTierError | None:
+        """Check a direct reply as ``key``'s block, its payload already in ``row``; why not."""
+        if reply is None:
+            return BlockNotFoundError(f"block {key.hex()} is not in the cluster tier")
+        if isinstance(reply, int):
+            return IntegrityError(
+                f"value has {reply} bytes, a block has {self._value_bytes} (truncated or foreign)",
+                self.key_of(key).decode(),
+            )
+        return self._verify(key, memoryview(reply), row)
+
+    def _verify(self, key: bytes, header: memoryview, payload: memoryview) -> KVTierError | None:
+        """Check ``header`` and ``payload`` as ``key``'s block; why not."""
+        where = self.key_of(key).decode()
+        try:
+            hkey, ns, nbytes, _at, pcheck = decode_header_fields(header)
+        except HeaderError as exc:
+            return IntegrityError(f"not a kvtier block: {exc}", where)
+        if ns != self._namespace:
+            return NamespaceMismatchError(
+                f"{where}: value of namespace {ns.hex()}, expected {self._namespace.hex()}"
+            )
+        if hkey != key or nbytes != self._block_bytes:
+            return IntegrityError("header names another block or size", where)
+        if checksum(payload) != pcheck:
+            return IntegrityError("payload checksum mismatch", where)
+        return None
 
     def _verify_into(self, key: bytes, value: object, into: memoryview) -> KVTierError | None:
         """Check ``value`` as ``key``'s block and copy its payload into ``into``; why not."""
@@ -546,19 +601,10 @@ class ClusterTier(Tier):
                 where,
             )
         view = memoryview(value)
-        try:
-            hkey, ns, nbytes, _at, pcheck = decode_header_fields(view)
-        except HeaderError as exc:
-            return IntegrityError(f"not a kvtier block: {exc}", where)
-        if ns != self._namespace:
-            return NamespaceMismatchError(
-                f"{where}: value of namespace {ns.hex()}, expected {self._namespace.hex()}"
-            )
-        if hkey != key or nbytes != self._block_bytes:
-            return IntegrityError("header names another block or size", where)
         payload = view[HEADER_BYTES:]
-        if checksum(payload) != pcheck:
-            return IntegrityError("payload checksum mismatch", where)
+        problem = self._verify(key, view[:HEADER_BYTES], payload)
+        if problem is not None:
+            return problem
         into[:] = payload
         return None
 

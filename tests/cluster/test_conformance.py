@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any, ClassVar
 
+import pytest
 import pytest_asyncio
 
 from kvtier.testing.tier import OpenTier, TierSuite
-from kvtier.testing.valkey import ValkeyCluster
 from kvtier.tiers.base import Tier
 from kvtier.tiers.cluster import ClusterTier
 
@@ -24,15 +25,20 @@ async def flip_payload_byte(tier: Tier, key: bytes) -> None:
     await tier.client.setrange(rkey, at, bytes([value[at] ^ 0xFF]))
 
 
-class TestClusterTier(TierSuite):
-    """On the session's three-node cluster."""
+class _OnServers(TierSuite):
+    """The suite on the servers of fixture :attr:`servers`, tiers opened with :attr:`options`."""
+
+    servers: ClassVar[str] = "valkey_cluster"
+    options: ClassVar[dict[str, Any]] = {}
 
     @pytest_asyncio.fixture
     async def open_tier(
-        self, valkey_cluster: ValkeyCluster, open_cluster_tier: OpenCluster
+        self, request: pytest.FixtureRequest, open_cluster_tier: OpenCluster
     ) -> AsyncIterator[OpenTier]:
+        servers = request.getfixturevalue(self.servers)
+
         async def _open() -> Tier:
-            tier: ClusterTier = await open_cluster_tier(valkey_cluster)
+            tier: ClusterTier = await open_cluster_tier(servers, **self.options)
             return tier
 
         yield _open
@@ -41,18 +47,17 @@ class TestClusterTier(TierSuite):
         await flip_payload_byte(tier, key)
 
 
-class TestSingleServerTier(TierSuite):
+class TestClusterTier(_OnServers):
+    """On the session's three-node cluster (loads read replies straight into rows)."""
+
+
+class TestClusterTierReadingThroughRedisPy(_OnServers):
+    """On the session's cluster, every reply read by redis-py (``direct_reads=False``)."""
+
+    options: ClassVar[dict[str, Any]] = {"direct_reads": False}
+
+
+class TestSingleServerTier(_OnServers):
     """On one server not in cluster mode."""
 
-    @pytest_asyncio.fixture
-    async def open_tier(
-        self, valkey_single: ValkeyCluster, open_cluster_tier: OpenCluster
-    ) -> AsyncIterator[OpenTier]:
-        async def _open() -> Tier:
-            tier: ClusterTier = await open_cluster_tier(valkey_single)
-            return tier
-
-        yield _open
-
-    async def damage(self, tier: Tier, key: bytes) -> None:
-        await flip_payload_byte(tier, key)
+    servers: ClassVar[str] = "valkey_single"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import signal
 import subprocess
 import sys
 import textwrap
@@ -192,3 +194,40 @@ async def test_sigkill_of_a_node_during_stores_and_loads(
     # The tier keeps serving: a new round after the kill still hits the live nodes.
     final = await traffic(1, 200)
     assert final == [len(keys) - len(on_dead)]
+
+
+async def test_a_load_timed_out_writes_nothing_into_its_rows_afterwards(
+    private_cluster: ValkeyCluster, open_cluster_tier: OpenCluster
+) -> None:
+    """A node frozen (SIGSTOP) mid-load: its blocks time out, and when it wakes up
+    and sends its replies, not a byte of them lands in the rows the load gave back."""
+    block = 256 << 10
+    tier: ClusterTier = await open_cluster_tier(
+        private_cluster, block_bytes=block, timeout_s=0.5, backoff_max_s=0.2
+    )
+    keys = block_keys(24, salt=12)
+    stored = await tier.store(keys, Rows(24, block).fill(keys).rows())
+    assert list(stored.stored) == keys
+    port = private_cluster.ports[0]
+    frozen = {k for k in keys if tier.client.get_node_from_key(tier.key_of(k)).port == port}
+    assert frozen
+    proc = private_cluster.procs[0]
+    assert proc is not None
+    rows = Rows(24, block)
+    rows.map.write(b"\xa5" * (24 * block))
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        result = await tier.load(keys, rows.rows())
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    check_loaded(rows, keys, result.loaded)
+    assert set(result.missing) == frozen
+    for err in result.missing.values():
+        assert isinstance(err, TierIOError), err
+        assert err.errno == errno.ETIMEDOUT, err
+    await asyncio.sleep(0.5)  # the node answers now, to a connection the tier aborted
+    for i, k in enumerate(keys):
+        if k in frozen:
+            assert bytes(rows.row(i)) == b"\xa5" * block, f"{k.hex()}'s row was written"
+    again = await tier.load(sorted(frozen), Rows(len(frozen), block).rows())
+    assert len(again.loaded) == len(frozen), "the node serves again after its backoff"
