@@ -24,8 +24,10 @@ repeats, ratios separately from GB/s, with the spread of the ratios).
   CPU tier evicts), then loads of stored keys. GB/s counts the row bytes moved.
 * **Cost of the boundary**: one-block jobs awaited one at a time, at
   ``world_size`` 1. The cost per job is the split engine's median latency
-  less the in-process one's; its fraction is that cost over the in-process
-  latency (the copy and the engine's own work).
+  less the in-process one's; it is given as a fraction of the copy time (the
+  median of the same one-block copy through a bare in-process copier,
+  :func:`kvtier.transfer.device.open_device_transfer`, without the engine)
+  and of the in-process engine's latency (the copy and the engine's own work).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvtier import Engine, KVLayout, KVTierConfig, Worker, WorkerGroup, chain_keys
+from kvtier.region import CPURegion
+from kvtier.transfer.device import open_device_transfer
 
 LAYERS = 8
 TOKENS = 16
@@ -205,6 +209,27 @@ async def job_seconds(inst: Instance, kind: str, jobs: int) -> float:
     return statistics.median(times)
 
 
+async def copy_seconds(row: int, jobs: int) -> dict[str, float]:
+    """Median time of a bare in-process copy of one block, each way (no engine)."""
+    layout, kv = rank_kv(row, 0, 1)
+    region = CPURegion.create(layout, REGION_ROWS * row, pin="off")
+    xfer = open_device_transfer(layout, kv, region.tensor_views(), backend="cpu")
+    out: dict[str, float] = {}
+    try:
+        for kind in ("store", "load"):
+            times = []
+            for i in range(jobs):
+                r = i % REGION_ROWS
+                t0 = time.perf_counter()
+                await (xfer.store([0], [r]) if kind == "store" else xfer.load([r], [BATCH]))
+                times.append(time.perf_counter() - t0)
+            out[kind] = statistics.median(times)
+    finally:
+        await xfer.aclose()
+        region.close()
+    return out
+
+
 _KINDS = (("store", store_gbps), ("load", load_gbps))
 
 
@@ -236,6 +261,7 @@ async def bench(quick: bool) -> dict[str, Any]:
             lat: dict[str, dict[str, list[float]]] = {
                 i.name: {"store": [], "load": []} for i in instances[:2]
             }
+            copy: dict[str, list[float]] = {"store": [], "load": []}
             for inst in instances:  # warm-up: threads started, pages touched
                 for _, fn, d in modes:
                     await fn(inst, max(4, requests // 4), row, d)
@@ -249,6 +275,8 @@ async def bench(quick: bool) -> dict[str, Any]:
                 for kind in ("store", "load"):
                     for inst in instances[:2]:
                         lat[inst.name][kind].append(await job_seconds(inst, kind, jobs))
+                for kind, seconds in (await copy_seconds(row, jobs)).items():
+                    copy[kind].append(seconds)
         finally:
             for inst in instances:
                 await inst.aclose()
@@ -262,10 +290,13 @@ async def bench(quick: bool) -> dict[str, Any]:
         for kind in ("store", "load"):
             inproc = med(lat["in-process"][kind])
             split = med(lat["workers=1"][kind])
+            bare = med(copy[kind])
             result["job_us"][kind] = {
+                "copy": bare * 1e6,
                 "in_process": inproc * 1e6,
                 "workers=1": split * 1e6,
                 "boundary": (split - inproc) * 1e6,
+                "of_copy": (split - inproc) / bare,
                 "fraction": (split - inproc) / inproc,
             }
         out["rows"][label] = result
@@ -295,13 +326,17 @@ def show(r: dict[str, Any]) -> None:
             print(f"| {label} | {name} | " + " | ".join(cells) + " |")
     print()
     print("Cost of the process boundary per job (one-block jobs awaited one at a time, world 1)")
-    print("| row | job | in-process µs | workers=1 µs | boundary µs | boundary / in-process |")
-    print("|---|---|---:|---:|---:|---:|")
+    print(
+        "| row | job | copy µs | in-process µs | workers=1 µs | boundary µs "
+        "| boundary / copy | boundary / in-process |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for label, res in r["rows"].items():
         for kind, j in res["job_us"].items():
             print(
-                f"| {label} | {kind} | {j['in_process']:.0f} | {j['workers=1']:.0f} "
-                f"| {j['boundary']:.0f} | {j['fraction']:.2f} |"
+                f"| {label} | {kind} | {j['copy']:.0f} | {j['in_process']:.0f} "
+                f"| {j['workers=1']:.0f} | {j['boundary']:.0f} | {j['of_copy']:.2f} "
+                f"| {j['fraction']:.2f} |"
             )
 
 

@@ -167,19 +167,27 @@ class WorkerGroup(DeviceTransfer):
         self._owns_dir = owns_directory
         self._address = f"ipc://{os.path.join(directory, 'jobs')}"
         self._instance = os.urandom(16)
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        # Jobs are bounded by the engine's rows: never drop or block a send.
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(self._address)
         done_pipe = os.path.join(directory, "done")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(done_pipe)  # a killed instance's, in a directory given again
         os.mkfifo(done_pipe, 0o600)
         # Read and write: the pipe never reports end-of-file when a worker goes.
         self._done_fd = os.open(done_pipe, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
         self._done_buf = bytearray()
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        try:
+            # Jobs are bounded by the engine's rows: never drop or block a send.
+            self._sock.setsockopt(zmq.SNDHWM, 0)
+            self._sock.setsockopt(zmq.RCVHWM, 0)
+            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.bind(self._address)
+        except BaseException:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            os.close(self._done_fd)
+            raise
         self._layout: KVLayout | None = None
         self._rows = 0
         self._peers: dict[bytes, _Peer] = {}
@@ -205,8 +213,9 @@ class WorkerGroup(DeviceTransfer):
         world_size
             Worker processes (tensor-parallel ranks), one per rank.
         directory
-            An existing directory for the socket, which only this user may
-            enter; by default a fresh one (mode 0700) that :meth:`aclose` removes.
+            An existing directory for the socket and the job pipes, which only
+            this user may enter; by default a fresh one (mode 0700) that
+            :meth:`aclose` removes.
 
         Raises
         ------
