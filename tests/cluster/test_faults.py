@@ -92,7 +92,9 @@ async def test_other_tenants_and_namespaces_never_hit(
         assert all(isinstance(e, BlockNotFoundError) for e in result.missing.values())
 
 
-@pytest.mark.parametrize("spoil", ["foreign", "truncated", "other-namespace", "other-key"])
+@pytest.mark.parametrize(
+    "spoil", ["foreign", "truncated", "oversized", "other-namespace", "other-key"]
+)
 async def test_spoiled_values_are_counted_misses(
     valkey_cluster: ValkeyCluster, open_cluster_tier: OpenCluster, spoil: str
 ) -> None:
@@ -105,6 +107,8 @@ async def test_spoiled_values_are_counted_misses(
         await tier.client.set(rkey, b"some other client's value")
     elif spoil == "truncated":
         await tier.client.set(rkey, value[: HEADER_BYTES + BLOCK // 2])
+    elif spoil == "oversized":  # longer than the reader's scratch and discard buffers
+        await tier.client.set(rkey, value + bytes(200_000))
     elif spoil == "other-namespace":
         ns_tier: ClusterTier = await open_cluster_tier(
             valkey_cluster, namespace=b"y" * 16, tenant_prefix="spoil"
