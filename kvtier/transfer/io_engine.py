@@ -113,7 +113,7 @@ async def measure_queue_depth(
     write: bool,
     alignment: int = DEFAULT_DIRECT_ALIGNMENT,
     depths: Sequence[int] = QUEUE_DEPTHS,
-    tolerance: float = 0.05,
+    tolerance: float = 0.10,
     warm_up: bool = False,
     rounds: int = 2,
 ) -> DepthProbe:
@@ -150,7 +150,9 @@ async def measure_queue_depth(
     tolerance
         A deeper queue is chosen unless it is slower than the fastest depth
         by more than this fraction: the deeper queue costs nothing the device
-        shows, and it serves callers that submit in bursts.
+        shows, and it serves callers that submit in bursts. At 0.05, probes
+        on this project's shared VM chose 16 where 32 was as fast in 5 of 24
+        opens (run-to-run noise of 10-40% there); 0.10 keeps the deeper one.
     warm_up
         Write the whole range once, untimed, before the depths are timed: the
         first write of a never-written block can cost the device more than
