@@ -32,6 +32,15 @@ import platform
 import struct
 from collections.abc import Iterator
 
+from kvtier.transfer._io_base import buffer_address
+
+try:
+    # A run of requests prepared, or every completion reaped, in one call (see
+    # prep_rw and reap_tagged): a few microseconds of Python per request less.
+    from kvtier.transfer import _address as _native
+except ImportError:  # not built (no C compiler at install): the Python below
+    _native = None  # type: ignore[assignment]
+
 __all__ = ["OP_FSYNC", "OP_NOP", "OP_READV", "OP_WRITEV", "Ring"]
 
 # The io_uring system calls have these numbers on every architecture (they came
@@ -105,6 +114,11 @@ def _check(ret: int, what: str) -> int:
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
     return ret
+
+
+def _address_of(buf: bytearray | memoryview) -> int:
+    """A writable or read-only buffer's address (the fallback path only)."""
+    return buffer_address(memoryview(buf))
 
 
 class Ring:
@@ -195,6 +209,56 @@ class Ring:
         )
         self._tail = (self._tail + 1) & 0xFFFFFFFF
 
+    def prep_rw(
+        self,
+        opcode: int,
+        fd: int,
+        iovecs: bytearray,
+        stride: int,
+        requests: list[list[memoryview]],
+        offsets: list[int],
+        start: int,
+        count: int,
+        batch: int,
+    ) -> None:
+        """Write the entries of ``requests[start:start + count]`` (checked, contiguous buffers).
+
+        Request ``i``'s ``struct iovec`` array is written at ``iovecs[i * stride * 16:]``
+        and its tag is ``batch << 32 | i`` (see :meth:`reap_tagged`). The caller
+        checks :meth:`space` first and keeps ``iovecs`` and the buffers alive
+        until the requests are reaped.
+        """
+        if _native is not None:
+            self._tail = _native.prep_rw(
+                self._sqes,
+                self._sq_mask,
+                self._tail,
+                opcode,
+                fd,
+                iovecs,
+                stride,
+                requests,
+                offsets,
+                start,
+                count,
+                batch,
+            )
+            return
+        base = _address_of(iovecs)
+        for i in range(start, start + count):
+            at = i * stride * 16
+            for view in requests[i]:
+                struct.pack_into("@PN", iovecs, at, _address_of(view), view.nbytes)
+                at += 16
+            self.prep(
+                opcode,
+                fd,
+                base + i * stride * 16,
+                len(requests[i]),
+                offsets[i],
+                (batch << 32) | i,
+            )
+
     def pending(self) -> int:
         """Entries prepared or published that the kernel has not consumed yet."""
         head: int = self._sq_words[self._sq_head]
@@ -251,6 +315,18 @@ class Ring:
                 head = (head + 1) & 0xFFFFFFFF
                 words[self._cq_head] = head
                 yield tag, res
+
+    def reap_tagged(self) -> list[tuple[int, int, int]]:
+        """:meth:`reap` in one call: ``(tag >> 32, tag & 0xFFFFFFFF, result)`` each."""
+        if _native is not None:
+            return _native.reap(
+                self._cq_bytes,
+                self._cq_head * 4,
+                self._cq_tail * 4,
+                self._cq_mask,
+                self._cqes,
+            )
+        return [(tag >> 32, tag & 0xFFFFFFFF, res) for tag, res in self.reap()]
 
     def wait(self) -> None:
         """Block until at least one completion is posted (for probes and tests)."""

@@ -5,14 +5,19 @@ that the loop watches with ``loop.add_reader``; the reader callback reaps every
 completion and resolves its :class:`~kvtier.transfer.completion.Completion`.
 Requests are queued in Python and submitted once per loop iteration, many
 entries per ``io_uring_enter``, never more than ``queue_depth`` in the kernel.
+Every request belongs to a batch (one request for :meth:`readv`, many for
+:meth:`~kvtier.transfer.io_engine.IOEngine.submit_many`) whose number is in
+the upper half of each entry's tag.
 
 The ring is kvtier's own (:mod:`kvtier.transfer._ring`: the system calls
 through ctypes, the queues through mmap), not a binding's: the PyPI
 ``liburing`` wheels die with SIGILL on CPUs without AVX-512 and keep a buffer
-export of every ``Iovec`` item forever. Each request's ``struct iovec`` array
-lives in a pooled ctypes buffer, rewritten with one ``struct.pack_into`` per
-request; the request's own memoryviews hold the caller's buffers exported (so
-they cannot be unmapped) until its completion is reaped.
+export of every ``Iovec`` item forever. A batch's ``struct iovec`` arrays live
+in one ``bytearray``, written with its submission entries by one compiled call
+per run of requests (:meth:`Ring.prep_rw`); its completions are read by one
+call per reap (:meth:`Ring.reap_tagged`). The batch's own memoryviews hold the
+caller's buffers exported (so they cannot be unmapped) until its last request
+is reaped.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
 import errno as _errno
 import os
 import struct
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import ClosedError, TierIOError
-from kvtier.transfer._io_base import IOEngine, Then, buffer_address, call_then
+from kvtier.transfer._io_base import IOEngine, Then, ThenMany, call_then_many
 from kvtier.transfer._ring import OP_FSYNC, OP_READV, OP_WRITEV, Ring
 from kvtier.transfer.completion import Completion
 
@@ -36,68 +40,42 @@ __all__ = ["UringEngine"]
 
 _READ, _WRITE, _FSYNC = 0, 1, 2
 _OPCODE = (OP_READV, OP_WRITEV, OP_FSYNC)
-
-
-class _CIovec(ctypes.Structure):
-    _fields_ = (("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t))
-
-
-_Pooled = tuple["ctypes.Array[_CIovec]", int, int]
-"""A pooled ``struct iovec[n]``: the ctypes array, its address, ``n``."""
+_KIND = ("readv", "writev", "fsync")
+_IOVEC_BYTES = 16
+_Reported = list[tuple[int, int, BaseException | None]]
 
 
 class _IovecPool:
-    """Reusable ``struct iovec`` arrays, one per request in flight, by length."""
+    """The check :func:`~kvtier.transfer.io_engine.probe_io_uring` runs on the
+    ``struct iovec`` layout: batches write iovecs as two 8-byte words each."""
 
     def __init__(self) -> None:
-        self._free: dict[int, list[_Pooled]] = {}
-        self._packers: dict[int, struct.Struct] = {}
-        if ctypes.sizeof(_CIovec) != struct.calcsize("@PN"):
-            raise RuntimeError("struct iovec is not {void *, size_t} here")
-
-    def take(self, views: list[memoryview]) -> _Pooled:
-        n = len(views)
-        free = self._free.get(n)
-        if free:
-            item = free.pop()
-        else:
-            arr = (_CIovec * n)()
-            item = (arr, ctypes.addressof(arr), n)
-            self._packers.setdefault(n, struct.Struct("@" + "PN" * n))
-        if n == 1:
-            v = views[0]
-            self._packers[1].pack_into(item[0], 0, buffer_address(v), v.nbytes)
-        else:
-            fields: list[int] = []
-            for v in views:
-                fields += (buffer_address(v), v.nbytes)
-            # One pack_into per request instead of two ctypes attribute sets
-            # per buffer: this is on every request's path.
-            self._packers[n].pack_into(item[0], 0, *fields)
-        return item
-
-    def give(self, item: _Pooled) -> None:
-        # The addresses left in the array are never read again: the kernel
-        # only reads an array while the request that last wrote it is in
-        # flight, and the next take() rewrites it first.
-        self._free.setdefault(item[2], []).append(item)
-
-
-_KIND = ("readv", "writev", "fsync")
+        if struct.calcsize("@PN") != _IOVEC_BYTES:
+            raise RuntimeError("struct iovec is not {void *, size_t} of 8 bytes each here")
 
 
 @dataclass(slots=True)
-class _Op:
+class _Batch:
+    """Requests of one kind on one descriptor, reported together."""
+
     kind: int
     fd: int
-    offset: int
-    views: list[memoryview]
+    requests: list[list[memoryview]]
+    """The caller's buffers, kept exported until the last request is reaped."""
+    offsets: list[int]
+    then: ThenMany | None
+    """Gets the requests' outcomes (submit_many, submit), else ``completion`` does."""
     completion: Completion[Any] | None
-    # The pooled iovec array in the kernel's hands; ``views`` keep the caller's buffers
-    # exported (they cannot be unmapped) until the completion is reaped.
-    iov: _Pooled | None = field(default=None)
-    then: Then | None = None
-    """Called instead of resolving ``completion`` (IOEngine.submit)."""
+    ident: int = 0
+    left: int = 0
+    """Requests not yet reported."""
+    prepared: int = 0
+    """Requests handed to the ring so far (they go in order)."""
+    iov: bytearray | None = None
+    """The ``struct iovec`` arrays, ``stride`` per request, read by the kernel."""
+    stride: int = 1
+    reaped: _Reported = field(default_factory=list)
+    """Outcomes reaped and not yet reported (within one reap)."""
 
 
 class UringEngine(IOEngine):
@@ -117,7 +95,6 @@ class UringEngine(IOEngine):
     def __init__(self, *, queue_depth: int = 32) -> None:
         super().__init__(queue_depth=queue_depth)
         self._loop = asyncio.get_running_loop()
-        self._iovecs = _IovecPool()
         self._ring = Ring(1 << max(1, (queue_depth - 1).bit_length()))
         try:
             self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -131,8 +108,10 @@ class UringEngine(IOEngine):
             self._ring.close()
             raise
         self._loop.add_reader(self._efd, self._on_eventfd)
-        self._ops: dict[int, _Op] = {}
-        self._queue: collections.deque[_Op] = collections.deque()
+        self._batches: dict[int, _Batch] = {}
+        self._queue: collections.deque[_Batch] = collections.deque()
+        self._in_flight = 0
+        self._queued = 0
         self._next_id = 1
         self._flush_scheduled = False
         self._released = False
@@ -150,26 +129,43 @@ class UringEngine(IOEngine):
         self, read: bool, fd: int, views: list[memoryview], offset: int
     ) -> Completion[int]:
         done: Completion[int] = Completion(self._loop)
-        self._enqueue(_Op(_READ if read else _WRITE, fd, offset, views, done))
+        self._enqueue(_Batch(_READ if read else _WRITE, fd, [views], [offset], None, done))
         return done
 
     def _submit_then(
         self, read: bool, fd: int, views: list[memoryview], offset: int, then: Then
     ) -> None:
-        self._enqueue(_Op(_READ if read else _WRITE, fd, offset, views, None, then=then))
+        def one(done: _Reported) -> None:
+            _, nbytes, exc = done[0]
+            then(nbytes, exc)
+
+        self._enqueue(_Batch(_READ if read else _WRITE, fd, [views], [offset], one, None))
+
+    def _submit_many(
+        self,
+        read: bool,
+        fd: int,
+        requests: list[list[memoryview]],
+        offsets: list[int],
+        then: ThenMany,
+    ) -> None:
+        self._enqueue(_Batch(_READ if read else _WRITE, fd, requests, offsets, then, None))
 
     def _submit_fsync(self, fd: int) -> Completion[None]:
         done: Completion[None] = Completion(self._loop)
-        self._enqueue(_Op(_FSYNC, fd, 0, [], done))
+        self._enqueue(_Batch(_FSYNC, fd, [[]], [0], None, done))
         return done
 
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
+            closed = ClosedError("the io_uring engine was closed")
             while self._queue:
-                op = self._queue.popleft()
-                self._fail(op, ClosedError("the io_uring engine was closed"))
-        if self._ops:
+                batch = self._queue.popleft()
+                self._queued -= len(batch.requests) - batch.prepared
+                batch.reaped = [(i, 0, closed) for i in range(batch.prepared, len(batch.requests))]
+                self._report(batch)
+        if self._in_flight:
             if self._idle is None:
                 self._idle = self._loop.create_future()
             # Shielded: the kernel may still write into caller memory, so the ring
@@ -179,8 +175,17 @@ class UringEngine(IOEngine):
 
     # -- internals ----------------------------------------------------------------------
 
-    def _enqueue(self, op: _Op) -> None:
-        self._queue.append(op)
+    def _enqueue(self, batch: _Batch) -> None:
+        # Batch numbers fill the upper 32 bits of a tag; one still in flight
+        # after four billion others would be a leak long noticed.
+        ident = self._next_id
+        self._next_id = ident % 0xFFFFFFFF + 1
+        batch.ident = ident
+        batch.left = len(batch.requests)
+        batch.stride = max(map(len, batch.requests))
+        self._batches[ident] = batch
+        self._queue.append(batch)
+        self._queued += batch.left
         if not self._flush_scheduled:
             # Deferred to the end of this loop iteration so that every request
             # made in it goes to the kernel in one io_uring_enter.
@@ -191,22 +196,47 @@ class UringEngine(IOEngine):
         self._flush_scheduled = False
         ring = self._ring
         queue = self._queue
-        ops = self._ops
+        room = min(ring.space(), self._depth - self._in_flight)
         prepared = 0
-        room = min(ring.space(), self._depth - len(ops))
-        while queue and prepared < room:
-            op = queue.popleft()
-            ident = self._next_id
-            self._next_id += 1
-            if op.kind == _FSYNC:
-                ring.prep(OP_FSYNC, op.fd, 0, 0, 0, ident)
+        while queue and room > 0:
+            batch = queue[0]
+            count = min(room, len(batch.requests) - batch.prepared)
+            if batch.kind == _FSYNC:
+                ring.prep(OP_FSYNC, batch.fd, 0, 0, 0, batch.ident << 32)
             else:
-                op.iov = item = self._iovecs.take(op.views)
-                ring.prep(_OPCODE[op.kind], op.fd, item[1], item[2], op.offset, ident)
-            ops[ident] = op
-            prepared += 1
+                if batch.iov is None:
+                    batch.iov = bytearray(len(batch.requests) * batch.stride * _IOVEC_BYTES)
+                try:
+                    ring.prep_rw(
+                        _OPCODE[batch.kind],
+                        batch.fd,
+                        batch.iov,
+                        batch.stride,
+                        batch.requests,
+                        batch.offsets,
+                        batch.prepared,
+                        count,
+                        batch.ident,
+                    )
+                except Exception as exc:
+                    # Checked at submission, so a bug: fail the batch's unprepared
+                    # requests rather than leave them queued for ever.
+                    queue.popleft()
+                    self._queued -= len(batch.requests) - batch.prepared
+                    err = TierIOError(_errno.EIO, f"internal error preparing a request: {exc!r}")
+                    batch.reaped = [(i, 0, err) for i in range(batch.prepared, len(batch.requests))]
+                    self._failed += len(batch.reaped)
+                    self._report(batch)
+                    continue
+            batch.prepared += count
+            room -= count
+            prepared += count
+            if batch.prepared == len(batch.requests):
+                queue.popleft()
         if not prepared:
             return
+        self._in_flight += prepared
+        self._queued -= prepared
         self._submit(prepared)
 
     def _submit(self, prepared: int) -> None:
@@ -223,7 +253,7 @@ class UringEngine(IOEngine):
             return
         self._submitted += prepared
         self._submit_calls += 1
-        self._max_in_flight = max(self._max_in_flight, len(self._ops))
+        self._max_in_flight = max(self._max_in_flight, self._in_flight)
         if self._ring.pending():
             # The kernel took only some entries (it may, short of memory): the
             # rest wait in the ring, and nothing else would submit them.
@@ -232,57 +262,61 @@ class UringEngine(IOEngine):
     def _on_eventfd(self) -> None:
         with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self._efd)
-        ops = self._ops
         # The eventfd is read first: a completion posted while reaping either is
         # reaped now or signals the eventfd again.
-        for ident, res in self._ring.reap():
-            op = ops.pop(ident, None)
-            if op is None:
+        reaped = self._ring.reap_tagged()
+        batches = self._batches
+        touched: list[_Batch] = []
+        for ident, index, res in reaped:
+            batch = batches.get(ident)
+            if batch is None:
                 continue
-            if res < 0:
-                self._complete(op, 0, -res)
+            if not batch.reaped:
+                touched.append(batch)
+            if res >= 0:
+                batch.reaped.append((index, res, None))
             else:
-                self._complete(op, res, 0)
+                batch.reaped.append((index, 0, self._error(batch, index, -res)))
+        self._in_flight -= len(reaped)
+        self._completed += len(reaped)
+        for batch in touched:
+            moved = sum(n for _, n, _ in batch.reaped)
+            if batch.kind == _READ:
+                self._bytes_read += moved
+            elif batch.kind == _WRITE:
+                self._bytes_written += moved
+            self._report(batch)
         if self._queue:
             self._flush()
-        if not ops and self._idle is not None and not self._idle.done():
+        if not self._in_flight and self._idle is not None and not self._idle.done():
             self._idle.set_result(None)
 
-    def _complete(self, op: _Op, res: int, err: int) -> None:
-        self._completed += 1
-        if op.iov is not None:
-            self._iovecs.give(op.iov)
-            op.iov = None
-        if err:
-            self._failed += 1
-            nbytes = sum(v.nbytes for v in op.views)
-            self._fail(
-                op,
-                TierIOError(
-                    err,
-                    f"{_KIND[op.kind]} of {nbytes} bytes at offset {op.offset} "
-                    f"on fd {op.fd} failed: {os.strerror(err)}",
-                ),
-            )
-            return
-        if op.kind == _READ:
-            self._bytes_read += res
-        elif op.kind == _WRITE:
-            self._bytes_written += res
-        if op.then is not None:
-            op.views = []  # the buffers are the caller's again
-            call_then(op.then, res, None)
-        elif op.completion is not None:
-            op.completion.set_result(None if op.kind == _FSYNC else res)
+    def _error(self, batch: _Batch, index: int, err: int) -> TierIOError:
+        self._failed += 1
+        nbytes = sum(v.nbytes for v in batch.requests[index])
+        return TierIOError(
+            err,
+            f"{_KIND[batch.kind]} of {nbytes} bytes at offset {batch.offsets[index]} "
+            f"on fd {batch.fd} failed: {os.strerror(err)}",
+        )
 
-    @staticmethod
-    def _fail(op: _Op, exc: BaseException) -> None:
-        """Fail ``op`` with ``exc``: through its callback, or its completion."""
-        if op.then is not None:
-            op.views = []
-            call_then(op.then, 0, exc)
-        elif op.completion is not None:
-            op.completion.set_exception(exc)
+    def _report(self, batch: _Batch) -> None:
+        """Hand ``batch.reaped`` to its caller; forget the batch once all is reported."""
+        done, batch.reaped = batch.reaped, []
+        batch.left -= len(done)
+        if not batch.left:
+            del self._batches[batch.ident]
+            # The buffers are the caller's again.
+            batch.requests = []
+            batch.iov = None
+        if batch.then is not None:
+            call_then_many(batch.then, done)
+        elif batch.completion is not None:
+            _, res, exc = done[0]
+            if exc is not None:
+                batch.completion.set_exception(exc)
+            else:
+                batch.completion.set_result(None if batch.kind == _FSYNC else res)
 
     def _release(self) -> None:
         if self._released:
@@ -298,4 +332,4 @@ class UringEngine(IOEngine):
             os.close(self._efd)
 
     def _occupancy(self) -> tuple[int, int]:
-        return len(self._ops), len(self._queue)
+        return self._in_flight, self._queued
