@@ -247,6 +247,81 @@ verify(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(code);
 }
 
+/* seal_many(pages, keys, namespace, payload_bytes, checksums, stored_at): seal() of
+   pages[i] with keys[i] and checksums[i], one call for a run of blocks stored. */
+static PyObject *
+seal_many(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyList_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "seal_many(list, list, bytes, int, list, int)");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(args[0]);
+    if (PyList_GET_SIZE(args[1]) != n || PyList_GET_SIZE(args[4]) != n) {
+        PyErr_SetString(PyExc_ValueError, "seal_many: one key and checksum per page");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *call[6] = {PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), args[2],
+                             args[3], PyList_GET_ITEM(args[4], i), args[5]};
+        PyObject *r = seal(NULL, call, 6);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+    }
+    Py_RETURN_NONE;
+}
+
+/* verify_many(pages, keys, namespace, payloads, which) -> list[tuple[int, int]]: verify()
+   of block i for each i in `which`, payloads of 256 KiB or more hashed without the
+   GIL; the (i, outcome) of those that failed, none when all are sound. */
+static PyObject *
+verify_many(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
+        !PyList_Check(args[3]) || !PyList_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "verify_many(list, list, bytes, list, list)");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(args[0]);
+    if (PyList_GET_SIZE(args[1]) != n || PyList_GET_SIZE(args[3]) != n) {
+        PyErr_SetString(PyExc_ValueError, "verify_many: one key and payload per page");
+        return NULL;
+    }
+    PyObject *which = args[4];
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t w = 0; w < PyList_GET_SIZE(which); w++) {
+        Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(which, w));
+        if (i == -1 && PyErr_Occurred())
+            goto fail;
+        if (i < 0 || i >= n) {
+            PyErr_SetString(PyExc_IndexError, "verify_many: block index out of range");
+            goto fail;
+        }
+        PyObject *call[4] = {PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), args[2],
+                             PyList_GET_ITEM(args[3], i)};
+        PyObject *r = verify(NULL, call, 4);
+        if (r == NULL)
+            goto fail;
+        long code = PyLong_AsLong(r);
+        Py_DECREF(r);
+        if (code != V_OK) {
+            PyObject *item = Py_BuildValue("(nl)", i, code);
+            if (item == NULL || PyList_Append(out, item) < 0) {
+                Py_XDECREF(item);
+                goto fail;
+            }
+            Py_DECREF(item);
+        }
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"checksum", checksum, METH_O, "checksum(buffer) -> int: XXH3-64 of a contiguous buffer."},
     {"checksums", checksums, METH_O,
@@ -256,6 +331,10 @@ static PyMethodDef methods[] = {
      "write a block header into page[:4096]."},
     {"verify", (PyCFunction)(void (*)(void))verify, METH_FASTCALL,
      "verify(page, key, namespace, payload) -> int: 0 for a valid block, else the failed check."},
+    {"seal_many", (PyCFunction)(void (*)(void))seal_many, METH_FASTCALL,
+     "seal_many(pages, keys, namespace, payload_bytes, checksums, stored_at): seal() of each page."},
+    {"verify_many", (PyCFunction)(void (*)(void))verify_many, METH_FASTCALL,
+     "verify_many(pages, keys, namespace, payloads, which) -> [(index, outcome)] of the failures."},
     {NULL, NULL, 0, NULL},
 };
 

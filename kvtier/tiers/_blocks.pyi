@@ -15,3 +15,20 @@ def seal(
     /,
 ) -> None: ...
 def verify(page: object, key: bytes, namespace: bytes, payload: object, /) -> int: ...
+def seal_many(
+    pages: list[memoryview],
+    keys: list[bytes],
+    namespace: bytes,
+    payload_bytes: int,
+    checksums: list[int],
+    stored_at: int,
+    /,
+) -> None: ...
+def verify_many(
+    pages: list[memoryview],
+    keys: list[bytes],
+    namespace: bytes,
+    payloads: list[memoryview],
+    which: list[int],
+    /,
+) -> list[tuple[int, int]]: ...

@@ -27,7 +27,8 @@ slot. "Stored at" (formerly reserved, so version 1 still reads it) orders the
 blocks found at open by age.
 
 The file tier's per-block path (:func:`checksum`, :func:`checksums`,
-:data:`seal_header`, :data:`verify_block`) runs in the compiled
+:data:`seal_header`, :data:`verify_block`, and :data:`seal_headers`,
+:data:`verify_blocks` for a run of blocks in one call) runs in the compiled
 helper ``kvtier/tiers/_blocks.c`` when it is built, and in the pure Python
 below otherwise; both write and accept exactly the same bytes (a test
 compares them).
@@ -62,7 +63,9 @@ __all__ = [
     "encode_header_fields",
     "scan_header",
     "seal_header",
+    "seal_headers",
     "verify_block",
+    "verify_blocks",
 ]
 
 MAGIC = b"KVTBLK\x00\x01"
@@ -262,6 +265,44 @@ its read is reaped: compiled, it allocates nothing and hashes payloads of
 256 KiB or more with the GIL released. The reason of a header failure is
 :func:`decode_header_fields`'s to tell (the failure path only)."""
 
+
+def _seal_headers_py(
+    pages: list[memoryview],
+    keys: list[bytes],
+    namespace: bytes,
+    payload_bytes: int,
+    sums: list[int],
+    stored_at: int,
+) -> None:
+    for page, key, summed in zip(pages, keys, sums, strict=True):
+        seal_header(page, key, namespace, payload_bytes, summed, stored_at)
+
+
+def _verify_blocks_py(
+    pages: list[memoryview],
+    keys: list[bytes],
+    namespace: bytes,
+    payloads: list[memoryview],
+    which: list[int],
+) -> list[tuple[int, int]]:
+    out = [(i, verify_block(pages[i], keys[i], namespace, payloads[i])) for i in which]
+    return [(i, code) for i, code in out if code != VERIFY_OK]
+
+
+seal_headers: Callable[[list[memoryview], list[bytes], bytes, int, list[int], int], None] = (
+    _seal_headers_py
+)
+"""``seal_headers(pages, keys, namespace, payload bytes, checksums, stored at)``:
+:data:`seal_header` of each page with its key and checksum, one call per run
+of blocks stored."""
+
+verify_blocks: Callable[
+    [list[memoryview], list[bytes], bytes, list[memoryview], list[int]], list[tuple[int, int]]
+] = _verify_blocks_py
+"""``verify_blocks(pages, keys, namespace, payloads, which)``: :data:`verify_block`
+of block ``i`` for each ``i`` in ``which``; the ``(i, outcome)`` of those that
+failed (an empty list when all are sound). One call per run of reads reaped."""
+
 try:
     from kvtier.tiers import _blocks
 except ImportError:  # not built (no C compiler at install): the Python above
@@ -269,3 +310,4 @@ except ImportError:  # not built (no C compiler at install): the Python above
 else:
     _checksum, _checksums = _blocks.checksum, _blocks.checksums
     seal_header, verify_block = _blocks.seal, _blocks.verify
+    seal_headers, verify_blocks = _blocks.seal_many, _blocks.verify_many

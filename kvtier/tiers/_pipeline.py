@@ -7,12 +7,18 @@ with one vectored request at the block's slot; with ``durability="fsync"`` the
 blocks written meanwhile share one ``fsync``. A load reads header and payload
 with one vectored request and verifies both right after its read is reaped,
 before anything else is done with it; a block that fails is handed to the
-quarantine, forgotten and reported as a miss. Headers and checks are one call
-each into the compiled helper (:mod:`kvtier.tiers._format`), and the engine
-calls back each block directly (:meth:`IOEngine.submit`), without a
-completion per block. At most two blocks per engine slot are in flight; the rest wait in
-order. Each call is one job whose completion resolves once its last block
-is done, with a :class:`StoreResult` or :class:`LoadResult`.
+quarantine, forgotten and reported as a miss.
+
+Nothing here is done per block that can be done per run of blocks: the
+blocks that fit in flight start as one engine batch
+(:meth:`IOEngine.submit_many`, one compiled call to check and prepare it),
+their headers sealed by one call; the engine reports the requests reaped
+together in one callback, whose reads are verified by one call
+(:data:`~kvtier.tiers._format.verify_blocks`), and the blocks that succeeded
+settle together (one residency call, the counters once). Only a failed block
+takes the path of its own. At most two blocks per engine slot are in flight;
+the rest wait in order. Each call is one job whose completion resolves once
+its last block is done, with a :class:`StoreResult` or :class:`LoadResult`.
 
 Separate from the slot file (:mod:`kvtier.tiers._slots`: where a block is, and
 clearing slots), from the recovery scan (:mod:`kvtier.tiers._recovery`: once,
@@ -48,12 +54,11 @@ from kvtier.tiers._format import (
     VERIFY_HEADER,
     VERIFY_KEY,
     VERIFY_NAMESPACE,
-    VERIFY_OK,
     HeaderError,
     checksums,
     decode_header_fields,
-    seal_header,
-    verify_block,
+    seal_headers,
+    verify_blocks,
 )
 from kvtier.tiers._quarantine import Quarantine
 from kvtier.tiers._slots import SlotFile
@@ -103,24 +108,47 @@ class _BlockOp:
     """Written, waiting for an fsync: it holds no I/O slot."""
 
 
+class _Run:
+    """Blocks handed to the engine as one batch, and the lists the batch's calls take."""
+
+    __slots__ = ("keys", "numbers", "ops", "pages", "views")
+
+    def __init__(self, ops: list[_BlockOp], numbers: list[int], pages: _HeaderPages) -> None:
+        self.ops = ops
+        self.numbers = numbers
+        """The header pages' numbers, one per block."""
+        self.pages = [pages.view(n) for n in numbers]
+        self.keys = [op.key for op in ops]
+        self.views = [op.view for op in ops]
+
+
 class _HeaderPages:
     """Page-aligned header buffers, one per block in flight (O_DIRECT needs aligned memory)."""
 
     def __init__(self, count: int) -> None:
         self._map = mmap.mmap(-1, count * HEADER_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._view = memoryview(self._map)
+        self._views = [self._view[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] for i in range(count)]
         self._free = list(range(count))
 
-    def take(self) -> int:
-        return self._free.pop()
+    def take_many(self, count: int) -> list[int]:
+        """``count`` free pages (the caller never asks more than are free)."""
+        taken = self._free[-count:]
+        del self._free[-count:]
+        return taken
+
+    def give_many(self, numbers: list[int]) -> None:
+        self._free.extend(numbers)
 
     def give(self, index: int) -> None:
         self._free.append(index)
 
     def view(self, index: int) -> memoryview:
-        return self._view[index * HEADER_BYTES : (index + 1) * HEADER_BYTES]
+        return self._views[index]
 
     def close(self) -> None:
+        for v in self._views:
+            v.release()
         self._view.release()
         # A finished request's view may still be alive (a completion's closure):
         # the mapping is then unmapped by the garbage collector once it goes.
@@ -316,71 +344,180 @@ class Pipeline:
     # -- blocks -------------------------------------------------------------------------
 
     def _pump(self) -> None:
-        while self._pending and self._active < self._max_active:
-            op = self._pending.popleft()
-            self._active += 1
-            self._busy_start(op.store)
-            self._start(op)
+        """Start as many pending blocks as there is room for, as one engine batch per kind."""
+        pending = self._pending
+        room = self._max_active - self._active
+        if not pending or room <= 0:
+            return
+        ops = [pending.popleft() for _ in range(min(room, len(pending)))]
+        self._active += len(ops)
+        loads = [op for op in ops if not op.store]
+        if loads:
+            self._busy_start(False, len(loads))
+            self._start(True, loads)
+        if len(loads) < len(ops):
+            stores = [op for op in ops if op.store]
+            self._busy_start(True, len(stores))
+            self._start_stores(stores)
 
-    def _start(self, op: _BlockOp) -> None:
+    def _start(self, read: bool, ops: list[_BlockOp]) -> None:
         try:
-            if not op.store:
-                self._start_load(op)
-            elif op.error is not None:
-                self._block_done(op, op.error)
-            elif not self._slots.after_clearing(op.slot, lambda: self._start(op)):
-                # (When the slot's previous block is being cleared, the write
-                # waits: it could land before the zeros, which would erase it.)
-                self._start_store(op)
+            self._submit(read, ops)
         except KVTierError as exc:
-            self._block_done(op, exc)
+            for op in ops:
+                self._block_done(op, exc)
         except Exception as exc:
-            # A bug must not leave the block pinned or the tier waiting forever.
-            log.exception("file tier: block %s failed to start", op.key.hex())
-            self._block_done(op, TierIOError(_errno.EIO, f"internal error: {exc!r}"))
+            # A bug must not leave the blocks pinned or the tier waiting forever.
+            log.exception("file tier: %d blocks failed to start", len(ops))
+            err = TierIOError(_errno.EIO, f"internal error: {exc!r}")
+            for op in ops:
+                self._block_done(op, err)
 
-    def _busy_start(self, store: bool) -> None:
+    def _busy_start(self, store: bool, count: int) -> None:
         if not self._busy[store]:
             self._busy_since[store] = time.perf_counter()
-        self._busy[store] += 1
+        self._busy[store] += count
 
-    def _busy_end(self, store: bool) -> None:
-        self._busy[store] -= 1
+    def _busy_end(self, store: bool, count: int) -> None:
+        self._busy[store] -= count
         if not self._busy[store]:
             self._busy_seconds[store] += time.perf_counter() - self._busy_since[store]
 
-    def _start_store(self, op: _BlockOp) -> None:
-        op.page = self._pages.take()
-        page = self._pages.view(op.page)
-        seal_header(page, op.key, self._namespace, self._block_bytes, op.checksum, int(time.time()))
-        self._engine.submit(
-            False,
-            self._fd,
-            [page, op.view],
-            op.slot * self._file_bytes,
-            lambda n, e: self._written(op, n, e),
-            alignment=self._io_alignment,
-        )
+    def _start_stores(self, ops: list[_BlockOp]) -> None:
+        if any(op.error is not None for op in ops):
+            for op in ops:
+                if op.error is not None:
+                    self._block_done(op, op.error)
+            ops = [op for op in ops if op.error is None]
+        if self._slots.clearing:
+            # (When the slot's previous block is being cleared, the write
+            # waits: it could land before the zeros, which would erase it.)
+            ops = [op for op in ops if not self._slots.after_clearing(op.slot, self._later(op))]
+        if ops:
+            self._start(False, ops)
 
-    def _written(self, op: _BlockOp, nbytes: int, exc: BaseException | None) -> None:
-        self._release_page(op)
-        err: KVTierError | None = None
-        if exc is not None:
-            err = self._io_error(exc, f"writing slot {op.slot}")
-        elif nbytes != self._file_bytes:
-            err = TierIOError(
-                0,
-                f"short write of slot {op.slot}: {nbytes} of {self._file_bytes} bytes",
-                self._slots.path,
+    def _later(self, op: _BlockOp) -> Callable[[], None]:
+        """Start ``op`` (counted active already) once its slot is cleared."""
+        return lambda: self._start_stores([op])
+
+    def _submit(self, read: bool, ops: list[_BlockOp]) -> None:
+        """Hand ``ops`` to the engine as one batch: header page and payload per block."""
+        run = _Run(ops, self._pages.take_many(len(ops)), self._pages)
+        if not read:
+            seal_headers(
+                run.pages,
+                run.keys,
+                self._namespace,
+                self._block_bytes,
+                [op.checksum for op in ops],
+                int(time.time()),
             )
-        if err is not None or not self._fsync:
+        for op, number in zip(ops, run.numbers, strict=True):
+            op.page = number
+        file_bytes = self._file_bytes
+        try:
+            self._engine.submit_many(
+                read,
+                self._fd,
+                [[page, op.view] for page, op in zip(run.pages, ops, strict=True)],
+                [op.slot * file_bytes for op in ops],
+                lambda done: self._ended(run, done),
+                alignment=self._io_alignment,
+            )
+        except BaseException:
+            for op in ops:
+                op.page = -1
+            self._pages.give_many(run.numbers)
+            raise
+
+    def _ended(self, run: _Run, done: list[tuple[int, int, BaseException | None]]) -> None:
+        """Requests of ``run`` reaped: verify the loads, then settle every block."""
+        ops = run.ops
+        file_bytes = self._file_bytes
+        whole = [i for i, n, e in done if n == file_bytes and e is None]
+        errors: dict[int, KVTierError] = {}
+        if len(whole) < len(done):
+            for i, nbytes, exc in done:
+                if exc is not None or nbytes != file_bytes:
+                    errors[i] = self._transfer_error(ops[i], nbytes, exc)
+        if ops[0].store:
+            if self._fsync:
+                self._wait_sync([ops[i] for i in whole])
+            else:
+                self._settle_ok(True, [ops[i] for i in whole])
+        else:
+            # Verified here, as soon as the reads are reaped and before any block
+            # is reported: no caller ever sees an unchecked block.
+            bad = verify_blocks(run.pages, run.keys, self._namespace, run.views, whole)
+            for i, outcome in bad:
+                errors[i] = self._verify_error(ops[i], outcome)
+            if bad:
+                failed = {i for i, _ in bad}
+                whole = [i for i in whole if i not in failed]
+            self._settle_ok(False, [ops[i] for i in whole])
+        for i, err in errors.items():
+            op = ops[i]
+            if isinstance(err, IntegrityError | NamespaceMismatchError) and op.page >= 0:
+                self._quarantine.keep(
+                    op.slot, op.key, self._pages.view(op.page), op.view, type(err).__name__
+                )
             self._block_done(op, err)
+
+    def _transfer_error(self, op: _BlockOp, nbytes: int, exc: BaseException | None) -> KVTierError:
+        if exc is not None:
+            return self._io_error(exc, f"{'writing' if op.store else 'reading'} slot {op.slot}")
+        what = "write" if op.store else "read"
+        text = f"short {what} of slot {op.slot}: {nbytes} of {self._file_bytes} bytes"
+        if op.store:
+            return TierIOError(0, text, self._slots.path)
+        return IntegrityError(text, self._slots.path)
+
+    def _settle_ok(self, store: bool, ops: list[_BlockOp]) -> None:
+        """:meth:`_block_done` of blocks that all succeeded, the counters and the
+        residency updated once for all of them."""
+        if not ops:
             return
-        # The I/O slot is free once the data is written: a flush shared by
-        # the blocks written meanwhile must not hold back the next writes.
-        op.syncing = True
-        self._active -= 1
-        self._sync_waiting.append(op)
+        keys = [op.key for op in ops]
+        self._pages.give_many([op.page for op in ops if op.page >= 0])
+        if store:
+            self._manager.complete_store(keys, success=True)
+            self.stores += len(ops)
+            self.bytes_written += len(ops) * self._block_bytes
+        else:
+            self._manager.complete_load(keys)
+            self.hits += len(ops)
+            self.bytes_read += len(ops) * self._block_bytes
+        released = self._slots.released
+        active = 0
+        for op in ops:
+            op.page = -1
+            released(op.key)
+            job = op.job
+            job.ok.append(op.key)
+            if op.syncing:
+                op.syncing = False
+            else:
+                active += 1
+            job.remaining -= 1
+            if job.remaining == 0:
+                self._finish_job(job)
+        self._active -= active
+        self._busy_end(store, len(ops))
+        self._pump()
+        self._on_settled()
+
+    def _wait_sync(self, ops: list[_BlockOp]) -> None:
+        """Written blocks of ``durability="fsync"``: done once a shared fsync flushes them."""
+        if not ops:
+            return
+        self._pages.give_many([op.page for op in ops])
+        for op in ops:
+            op.page = -1
+            # The I/O slot is free once the data is written: a flush shared by
+            # the blocks written meanwhile must not hold back the next writes.
+            op.syncing = True
+        self._active -= len(ops)
+        self._sync_waiting.extend(ops)
         self._start_sync()
         self._pump()
 
@@ -406,44 +543,13 @@ class Pipeline:
 
     def _synced(self, ops: list[_BlockOp], exc: BaseException | None) -> None:
         self._sync_running = None
-        err: KVTierError | None = None
-        if exc is not None:
-            err = self._io_error(exc, "fsync")
-        for op in ops:
-            self._block_done(op, err)
-        self._start_sync()
-
-    def _start_load(self, op: _BlockOp) -> None:
-        op.page = self._pages.take()
-        self._engine.submit(
-            True,
-            self._fd,
-            [self._pages.view(op.page), op.view],
-            op.slot * self._file_bytes,
-            lambda n, e: self._read(op, n, e),
-            alignment=self._io_alignment,
-        )
-
-    def _read(self, op: _BlockOp, nbytes: int, exc: BaseException | None) -> None:
-        err: KVTierError | None = None
-        if exc is not None:
-            err = self._io_error(exc, f"reading slot {op.slot}")
-        elif nbytes != self._file_bytes:
-            err = IntegrityError(
-                f"short read of slot {op.slot}: {nbytes} of {self._file_bytes} bytes",
-                self._slots.path,
-            )
+        if exc is None:
+            self._settle_ok(True, ops)
         else:
-            # Verified here, as soon as the read is reaped and before the block
-            # is reported: no caller ever sees an unchecked block.
-            outcome = verify_block(self._pages.view(op.page), op.key, self._namespace, op.view)
-            if outcome != VERIFY_OK:
-                err = self._verify_error(op, outcome)
-        if isinstance(err, IntegrityError | NamespaceMismatchError) and op.page >= 0:
-            self._quarantine.keep(
-                op.slot, op.key, self._pages.view(op.page), op.view, type(err).__name__
-            )
-        self._block_done(op, err)
+            err = self._io_error(exc, "fsync")
+            for op in ops:
+                self._block_done(op, err)
+        self._start_sync()
 
     def _verify_error(self, op: _BlockOp, outcome: int) -> KVTierError:
         """The error of a block that failed :func:`verify_block` (the failure path only)."""
@@ -500,7 +606,7 @@ class Pipeline:
         else:
             job.failed[key] = err
             log.warning("file tier: block %s: %s", key.hex(), err)
-        self._busy_end(op.store)
+        self._busy_end(op.store, 1)
         if op.syncing:
             op.syncing = False
         else:
