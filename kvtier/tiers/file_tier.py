@@ -142,7 +142,7 @@ class FileTierStatistics:
     io_engine: str
     """``"io_uring"`` or ``"threads"``."""
     queue_depth: int
-    """The I/O engine's queue depth."""
+    """The I/O engine's queue depth (with ``queue_depth="auto"``, the one measured at open)."""
     direct_io: bool
     """True when the slot file uses O_DIRECT."""
     direct_io_fallback: str | None
