@@ -17,7 +17,7 @@ from kvtier.config import FileTierConfig
 from kvtier.errors import ConfigurationError, InvalidArgumentError, TierIOError
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.testing.faults import FaultPlan, FaultyIOEngine
-from kvtier.tiers._slots import probe_range
+from kvtier.tiers._slots import data_runs, probe_range
 from kvtier.tiers.file_tier import AUTO_DEPTH_FALLBACK, FileTier
 from kvtier.transfer.io_engine import QUEUE_DEPTHS, measure_queue_depth, open_io_engine
 
@@ -82,7 +82,12 @@ async def test_auto_measures_and_keeps_the_blocks(tmp_path: Path) -> None:
         stats = tier.statistics()
         assert stats.queue_depth in QUEUE_DEPTHS
         assert stats.blocks == 0  # the probe's zeros are free slots
-        # Zeros written where zeros were read.
+        # Zeros written where zeros were read: the probe wrote, and changed nothing.
+        fd = os.open(tier.path / "blocks.dat", os.O_RDONLY)
+        try:
+            assert list(data_runs(fd, slots * SLOT)) != []
+        finally:
+            os.close(fd)
         assert not any((tier.path / "blocks.dat").read_bytes())
         done = await tier.store(keys, views)
         assert done.stored == tuple(keys)
@@ -166,3 +171,21 @@ async def test_a_failing_probe_raises_the_io_error(tmp_path: Path) -> None:
     finally:
         await engine.aclose()
         os.close(fd)
+
+
+async def test_auto_with_buffered_io_measures_nothing(tmp_path: Path) -> None:
+    """The page cache would be timed: the fallback depth, and not a byte written."""
+    slots = (64 << 20) // SLOT + 8
+    cfg = FileTierConfig(
+        root=tmp_path, bytes_to_use=FileTier.budget_for(slots, BLOCK), direct_io="off"
+    )
+    tier = await FileTier.open(cfg, layout(), block_bytes=BLOCK)
+    try:
+        assert tier.statistics().queue_depth == AUTO_DEPTH_FALLBACK
+        fd = os.open(tier.path / "blocks.dat", os.O_RDONLY)
+        try:
+            assert list(data_runs(fd, slots * SLOT)) == []
+        finally:
+            os.close(fd)
+    finally:
+        await tier.aclose()
