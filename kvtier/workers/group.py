@@ -403,8 +403,11 @@ class WorkerGroup(DeviceTransfer):
         for kind in ("store", "load"):
             path = os.path.join(self._dir, f"{peer.rank}.{kind}")
             try:
+                # Read-write, though only written: a pipe whose worker died still has
+                # a reader then, so a write never raises SIGPIPE (which kills a host
+                # process that restored its default); the worker's pidfd tells its death.
                 peer.pipes[kind] = os.open(
-                    path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+                    path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
                 )
             except OSError as exc:  # its jobs take the socket
                 log.warning("rank %d: job pipe %s: %s; jobs go on the socket", peer.rank, path, exc)
@@ -558,8 +561,8 @@ class WorkerGroup(DeviceTransfer):
                 try:
                     os.write(fd, record)  # whole or not at all (at most PIPE_BUF)
                     continue
-                except (BlockingIOError, BrokenPipeError):
-                    pass  # full, or its reader is gone (the pidfd says so): the socket
+                except BlockingIOError:
+                    pass  # full (its worker stopped reading: dead?): the socket
             self._send(peer.ident, frames)
         return done
 

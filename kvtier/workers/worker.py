@@ -609,9 +609,11 @@ class _Pipes:
         """Make and open this rank's job pipes; None (jobs on the socket) if that fails."""
         jobs: dict[str, int] = {}
         try:
+            # Read-write, though only written: never SIGPIPE if the scheduler dies
+            # (a model process may restore its default); its pidfd tells that.
             done = os.open(
                 os.path.join(directory, "done"),
-                os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
+                os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
             )
         except OSError as exc:
             log.warning("rank %d: no done pipe (%s): jobs take the socket", rank, exc)
@@ -637,8 +639,8 @@ class _Pipes:
             return False
         try:
             os.write(self.done, record)  # whole or not at all, among every writer
-        except (BlockingIOError, BrokenPipeError):
-            return False  # full, or the scheduler is gone (its pidfd says so)
+        except BlockingIOError:
+            return False  # full: the scheduler stopped reading (gone? its pidfd says)
         return True
 
     def close(self) -> None:
