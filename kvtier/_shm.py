@@ -556,10 +556,10 @@ def _check_fields(path: str, h: _Header) -> None:
         )
 
 
-def reap(older_than: float = 0.0, directory: str = SHM_DIR) -> list[str]:
+def reap(older_than: float = 0.0, directory: str = SHM_DIR, *, dry_run: bool = False) -> list[str]:
     """Remove the region files of this user that no live process holds; return their paths.
 
-    See :func:`kvtier.region.reap_shared_regions` (``older_than``). A file goes
+    See :func:`kvtier.region.reap_shared_regions` (``older_than``, ``dry_run``). A file goes
     only when its header mutex can be taken without waiting (nobody is
     creating or joining it) and no open file description holds its live lock
     (no process is attached, whatever its state). Files of other users, and
@@ -598,7 +598,8 @@ def reap(older_than: float = 0.0, directory: str = SHM_DIR) -> list[str]:
                 if magic != _MAGIC and magic.strip(b"\0"):
                     continue
                 h = _read_header(fd)
-                _unlink_names(path, fd, None if h is None else h.data_path)
+                if not dry_run:
+                    _unlink_names(path, fd, None if h is None else h.data_path)
                 reaped.append(path)
             finally:
                 _release_mutex(fd)

@@ -321,9 +321,11 @@ def _gc(args: argparse.Namespace) -> int:
 
     from kvtier.tiers._root import collect
 
-    if args.keep_bytes is None and args.unused_for is None:
+    if args.shm:
+        return _gc_shm(args)
+    if args.root is None or (args.keep_bytes is None and args.unused_for is None):
         raise InvalidArgumentError(
-            "say what to reclaim: --keep-bytes SIZE and/or --unused-for SECONDS"
+            "say what to reclaim: ROOT with --keep-bytes SIZE and/or --unused-for SECONDS, or --shm"
         )
     if args.unused_for is not None and args.unused_for < 0:
         raise InvalidArgumentError("--unused-for must be zero or more seconds")
@@ -377,6 +379,24 @@ def _gc(args: argparse.Namespace) -> int:
             "or not kvtier's"
         )
     return status
+
+
+def _gc_shm(args: argparse.Namespace) -> int:
+    """``kvtier gc --shm``: the stale shared CPU regions of this user in /dev/shm."""
+    from kvtier.region import reap_shared_regions
+
+    if args.root is not None or args.keep_bytes is not None:
+        raise InvalidArgumentError("--shm takes no ROOT nor --keep-bytes")
+    paths = reap_shared_regions(args.unused_for or 0.0, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps({"dry_run": args.dry_run, "removed": paths}, indent=2))
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        print(
+            f"/dev/shm: {verb} {len(paths)} stale shared regions"
+            + "".join(f"\n  {p}" for p in paths)
+        )
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -486,9 +506,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Remove namespaces of a file tier root that no tier has open: those "
         "unused for --unused-for seconds, then the least recently used until the root "
         "takes at most --keep-bytes on disk. Open namespaces are never removed; only "
-        "what kvtier wrote is deleted.",
+        "what kvtier wrote is deleted. With --shm instead: remove this user's shared CPU "
+        "regions in /dev/shm that no live process holds (left by an instance killed "
+        "before every worker attached).",
     )
-    gc.add_argument("root", type=Path, help="the file tier root")
+    gc.add_argument("root", type=Path, nargs="?", default=None, help="the file tier root")
+    gc.add_argument(
+        "--shm",
+        action="store_true",
+        help="reap stale shared CPU regions in /dev/shm instead (no ROOT; "
+        "--unused-for limits it to files unwritten for that long)",
+    )
     gc.add_argument(
         "--keep-bytes",
         type=_size,

@@ -559,7 +559,7 @@ class CPURegion:
         )
 
 
-def reap_shared_regions(older_than: float = 0.0) -> list[str]:
+def reap_shared_regions(older_than: float = 0.0, *, dry_run: bool = False) -> list[str]:
     """Remove this user's shared region files in ``/dev/shm`` that no live process holds.
 
     A shared region's file loses its name once every party attached, so a
@@ -567,17 +567,19 @@ def reap_shared_regions(older_than: float = 0.0) -> list[str]:
     attached with ``holder=True`` killed before their holder joined) leaves
     the file. Every :meth:`CPURegion.create` of a shared region reaps files
     stale for a minute; call this to reap them now (a serving integration
-    at start-up, or by hand).
+    at start-up, or by hand: ``kvtier gc --shm``).
 
     Parameters
     ----------
     older_than
         Only files not written for this many seconds; 0 reaps every stale one.
+    dry_run
+        Name the stale files; remove nothing.
 
     Returns
     -------
     list[str]
-        The paths removed.
+        The paths removed (or that would be, with ``dry_run``).
 
     Notes
     -----
@@ -588,7 +590,7 @@ def reap_shared_regions(older_than: float = 0.0) -> list[str]:
     """
     if isinstance(older_than, bool) or not isinstance(older_than, int | float) or older_than < 0:
         raise InvalidArgumentError(f"older_than must be seconds >= 0, got {older_than!r}")
-    return _shm.reap(float(older_than))
+    return _shm.reap(float(older_than), dry_run=dry_run)
 
 
 def _check_memory(length: int, rows: int, row_stride: int) -> None:

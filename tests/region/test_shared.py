@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import struct
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from kvtier import _shm
+from kvtier.cli import main
 from kvtier.errors import InvalidArgumentError, SharedRegionError
 from kvtier.layout import KVLayout
 from kvtier.region import CPURegion, reap_shared_regions
@@ -143,6 +145,7 @@ STUCK_CREATOR = textwrap.dedent(
     """
     import fcntl, os, sys, time
     from kvtier import _shm
+from kvtier.cli import main
     path = _shm.region_path(sys.argv[1])
     fd = os.open(_shm.SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600)
     assert _shm._setlk(fd, fcntl.F_WRLCK, _shm._MUTEX)
@@ -343,7 +346,11 @@ def test_holder_true_needs_a_rank_and_a_name(layout: KVLayout, shm_name: str) ->
     ],
 )
 def test_the_reaper_removes_what_sigkilled_parties_left(
-    workers: Workers, leftovers: Leftovers, shm_name: str, parties: list[tuple[int | str, str]]
+    workers: Workers,
+    leftovers: Leftovers,
+    shm_name: str,
+    parties: list[tuple[int | str, str]],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     path = _shm.region_path(shm_name)
     procs = []
@@ -358,7 +365,10 @@ def test_the_reaper_removes_what_sigkilled_parties_left(
     # Not every party attached: the name stayed, and nobody holds the file now.
     assert leftovers(shm_name)
     assert path not in reap_shared_regions(older_than=3600)  # too recent for that
-    assert path in reap_shared_regions()
+    assert path in reap_shared_regions(dry_run=True)
+    assert leftovers(shm_name)
+    assert main(["gc", "--shm", "--json"]) == 0  # reap_shared_regions(), by hand
+    assert path in json.loads(capsys.readouterr().out)["removed"]
     assert not leftovers(shm_name)
 
 
