@@ -145,7 +145,6 @@ STUCK_CREATOR = textwrap.dedent(
     """
     import fcntl, os, sys, time
     from kvtier import _shm
-from kvtier.cli import main
     path = _shm.region_path(sys.argv[1])
     fd = os.open(_shm.SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600)
     assert _shm._setlk(fd, fcntl.F_WRLCK, _shm._MUTEX)
