@@ -556,10 +556,18 @@ def _check_fields(path: str, h: _Header) -> None:
         )
 
 
-def reap(older_than: float = 0.0, directory: str = SHM_DIR, *, dry_run: bool = False) -> list[str]:
+def reap(
+    older_than: float = 0.0,
+    directory: str = SHM_DIR,
+    *,
+    dry_run: bool = False,
+    prefix: str = FILE_PREFIX,
+) -> list[str]:
     """Remove the region files of this user that no live process holds; return their paths.
 
-    See :func:`kvtier.region.reap_shared_regions` (``older_than``, ``dry_run``). A file goes
+    See :func:`kvtier.region.reap_shared_regions` (``older_than``, ``dry_run``);
+    ``prefix`` narrows the names looked at (a test reaps only its own: other
+    test runs on the machine may be looking at theirs). A file goes
     only when its header mutex can be taken without waiting (nobody is
     creating or joining it) and no open file description holds its live lock
     (no process is attached, whatever its state). Files of other users, and
@@ -572,7 +580,7 @@ def reap(older_than: float = 0.0, directory: str = SHM_DIR, *, dry_run: bool = F
     except OSError:  # pragma: no cover - no /dev/shm
         return reaped
     for name in names:
-        if not name.startswith(FILE_PREFIX):
+        if not name.startswith(FILE_PREFIX) or not name.startswith(prefix):
             continue
         path = os.path.join(directory, name)
         try:
