@@ -325,11 +325,13 @@ class Pipeline:
         ``where`` names the tier in the error of a key that is not ready.
         """
         done: Completion[LoadResult] = Completion(self._loop)
-        ready = [k for k in keys if self._manager.is_ready(k)]
+        is_ready = self._manager.is_ready
+        ready = [k for k in keys if is_ready(k)]
         job = _Job(done, store=False, remaining=len(ready), order=tuple(keys))
-        for k in keys:
-            if not self._manager.is_ready(k):
-                job.failed[k] = BlockNotFoundError(f"block {k.hex()} is not in the {where}")
+        if len(ready) < len(keys):
+            for k in keys:
+                if not is_ready(k):
+                    job.failed[k] = BlockNotFoundError(f"block {k.hex()} is not in the {where}")
         if ready:
             plan = self._manager.prepare_load(ready)
             by_key = dict(zip(keys, views, strict=True))
