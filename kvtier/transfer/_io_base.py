@@ -11,8 +11,10 @@ that no module imports one that imports it back.
 from __future__ import annotations
 
 import abc
+import asyncio
 import ctypes
 import fcntl
+import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -384,15 +386,30 @@ class IOEngine(abc.ABC):
         offsets: list[int],
         then: ThenMany,
     ) -> None:
-        """Queue checked requests; here one :meth:`_submit_then` each (io_uring overrides)."""
+        """Queue checked requests; here one :meth:`_submit_then` each (io_uring overrides).
+
+        The outcomes that arrive in one loop iteration go to ``then`` together
+        at its end: one call for the requests a thread pool finished meanwhile,
+        not one each.
+        """
+        loop = asyncio.get_running_loop()
+        ready: list[tuple[int, int, BaseException | None]] = []
+
+        def report() -> None:
+            done = ready[:]
+            ready.clear()
+            call_then_many(then, done)
+
+        def one(i: int, nbytes: int, exc: BaseException | None) -> None:
+            if not ready:
+                loop.call_soon(report)
+            ready.append((i, nbytes, exc))
+
         for i, (views, offset) in enumerate(zip(requests, offsets, strict=True)):
-            self._submit_then(
-                read,
-                fd,
-                [_as_bytes_view(memoryview(v)) for v in views],
-                offset,
-                lambda n, e, i=i: then([(i, n, e)]),  # type: ignore[misc]
-            )
+            views = [
+                _as_bytes_view(v if isinstance(v, memoryview) else memoryview(v)) for v in views
+            ]
+            self._submit_then(read, fd, views, offset, functools.partial(one, i))
 
     @abc.abstractmethod
     def _submit_fsync(self, fd: int) -> Completion[None]:
