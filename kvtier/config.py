@@ -179,6 +179,11 @@ class FileTierConfig(_Frozen):
     ``background``: open returns at once and the tier knows no block, and
     refuses stores, until the scan ends (for very large tiers)."""
 
+    @property
+    def buffer_alignment(self) -> int:
+        """Alignment the tier needs of the CPU rows it reads and writes (O_DIRECT)."""
+        return 4096
+
 
 ClusterMode = Literal["cluster", "single"]
 
@@ -329,6 +334,18 @@ class KVTierConfig(_Frozen):
         if self.cluster_tier is not None:
             tiers.append(("cluster", self.cluster_tier))
         return tuple(tiers)
+
+    @property
+    def row_alignment(self) -> int | None:
+        """Alignment the chain needs of the CPU region's rows, ``None`` for none.
+
+        The file tier reads and writes rows with O_DIRECT; the cluster tier
+        copies them through its client and needs none.
+        """
+        needs = [
+            spec.buffer_alignment for _, spec in self.chain if isinstance(spec, FileTierConfig)
+        ]
+        return max(needs) if needs else None
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> Self:

@@ -456,7 +456,7 @@ class Engine:
                 "namespace and load each other's slices. Open it with the layout of one "
                 "worker that holds every rank's KV (tp_size=1)"
             )
-        alignment = _FILE_ALIGNMENT if config.file_tier is not None else None
+        alignment = config.row_alignment
         region = CPURegion.create(layout, int(config.cpu_bytes_to_use), alignment=alignment)
         transfer: DeviceTransfer | None = None
         try:
@@ -503,7 +503,7 @@ class Engine:
                     f"worker_timeout must be a number, got {worker_timeout!r}"
                 )
             name = config.shared_region_name or f"i{workers.instance.hex()}"
-            alignment = _FILE_ALIGNMENT if config.file_tier is not None else None
+            alignment = config.row_alignment
             budget = int(config.cpu_bytes_to_use)
             region = await asyncio.to_thread(
                 CPURegion.create,
@@ -1378,10 +1378,6 @@ class Engine:
             raise ClosedError("the engine is closed")
 
 
-_FILE_ALIGNMENT = 4096
-"""Rows are aligned for O_DIRECT when a file tier reads and writes them."""
-
-
 async def _open_chain(
     config: KVTierConfig, layout: KVLayout, region: CPURegion, io_engine: IOEngine | None
 ) -> list[Tier]:
@@ -1395,7 +1391,7 @@ async def _open_chain(
                         spec,
                         layout,
                         block_bytes=region.row_stride,
-                        alignment=min(region.alignment, _FILE_ALIGNMENT),
+                        alignment=min(region.alignment, spec.buffer_alignment),
                         io_engine=io_engine,
                     )
                 )

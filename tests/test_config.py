@@ -192,3 +192,14 @@ def test_from_toml_errors(tmp_path: Path) -> None:
     bad.write_text("cpu_bytes_to_use = = 3")
     with pytest.raises(ConfigurationError, match="not valid TOML"):
         KVTierConfig.from_toml(bad)
+
+
+def test_row_alignment_is_what_the_chain_needs(tmp_path: Path) -> None:
+    # The file tier reads and writes rows with O_DIRECT; without it no alignment is asked.
+    assert KVTierConfig(cpu_bytes_to_use=1 << 20).row_alignment is None
+    with_file = KVTierConfig(
+        cpu_bytes_to_use=1 << 20,
+        file_tier=FileTierConfig(root=tmp_path, bytes_to_use=1 << 30),
+    )
+    assert with_file.file_tier is not None
+    assert with_file.row_alignment == 4096 == with_file.file_tier.buffer_alignment

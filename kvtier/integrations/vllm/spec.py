@@ -119,7 +119,6 @@ log = logging.getLogger("kvtier.integrations.vllm")
 
 T = TypeVar("T")
 
-_FILE_ALIGNMENT = 4096
 _PERSON = b"kvtier.vllm.v1"
 
 MAX_PENDING_EVENT_KEYS = 1 << 16
@@ -342,7 +341,7 @@ class KVTierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
             # scheduler (get_manager): the workers must keep the region's name
             # for the scheduler, or it would map a second region of its own.
             holder=rank is not None,
-            alignment=_FILE_ALIGNMENT if cfg.file_tier is not None else None,
+            alignment=cfg.row_alignment,
         )
 
     def get_manager(self) -> KVTierOffloadingManager:
@@ -461,7 +460,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
                         cfg,
                         layout,
                         block_bytes=region.row_stride,
-                        alignment=min(region.alignment, _FILE_ALIGNMENT),
+                        alignment=min(region.alignment, cfg.buffer_alignment),
                         enable_events=enable_events,
                     )
                 )
