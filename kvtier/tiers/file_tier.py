@@ -554,40 +554,18 @@ class FileTier(Tier):
     def store(
         self, keys: Sequence[bytes], buffers: Sequence[memoryview]
     ) -> Completion[StoreResult]:
-        """Write blocks from ``buffers``; keys already present are skipped.
-
-        Parameters
-        ----------
-        keys
-            Distinct 16-byte block keys.
-        buffers
-            One buffer of exactly ``block_bytes`` per key (a CPU-region row).
-
-        Returns
-        -------
-        Completion[StoreResult]
-            Resolves once every block is written (and flushed, with
-            ``durability="fsync"``) or has failed; per-key outcomes are in the
-            result, never raised.
-
-        Raises
-        ------
-        InvalidArgumentError
-            For bad keys, a count mismatch, or a buffer of the wrong size.
-        AlignmentError
-            For a buffer that breaks O_DIRECT alignment (before any I/O).
-        ClosedError
-            When the tier is closed.
+        """Write blocks from ``buffers`` (see :meth:`Tier.store`); present keys are skipped.
 
         Notes
         -----
-        Evicted blocks are forgotten at once and their slots overwritten by
-        the new blocks. A block that fails (``ENOSPC``, ``EIO``, ``EACCES``, a
-        short write) is reported in ``failed`` with a
+        The completion resolves once every block is written, and flushed with
+        ``durability="fsync"``. Evicted blocks are forgotten at once and their
+        slots overwritten by the new blocks. A block that fails (``ENOSPC``,
+        ``EIO``, ``EACCES``, a short write) is in ``failed`` with a
         :class:`~kvtier.errors.TierIOError` carrying errno and path; its slot
-        is zeroed and freed; the other blocks proceed. Buffers must stay
-        untouched until the completion is done (see the class Notes on
-        cancellation).
+        is zeroed and freed; the other blocks proceed. While a background
+        recovery runs, every block is in ``failed`` with a
+        :class:`~kvtier.errors.BusyError`.
         """
         views = self._check_call(keys, buffers)
         if self._recovery.state != "complete":
@@ -599,30 +577,7 @@ class FileTier(Tier):
     # -- load ---------------------------------------------------------------------------
 
     def load(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> Completion[LoadResult]:
-        """Read blocks straight into ``buffers`` and verify them.
-
-        Parameters
-        ----------
-        keys
-            Distinct 16-byte block keys.
-        buffers
-            One writable buffer of exactly ``block_bytes`` per key.
-
-        Returns
-        -------
-        Completion[LoadResult]
-            Resolves once every block is read and verified or has failed. Keys
-            not ready here, and blocks that fail verification or I/O, are in
-            ``missing``; their buffers hold no valid data.
-
-        Raises
-        ------
-        InvalidArgumentError
-            For bad keys, a count mismatch, or a buffer of the wrong size or read-only.
-        AlignmentError
-            For a buffer that breaks O_DIRECT alignment (before any I/O).
-        ClosedError
-            When the tier is closed.
+        """Read blocks straight into ``buffers`` and verify them (see :meth:`Tier.load`).
 
         Notes
         -----

@@ -45,7 +45,6 @@ from kvtier.transfer.threads import ThreadEngine
 from kvtier.transfer.uring import UringEngine, _IovecPool
 
 __all__ = [
-    "BYTES_IN_FLIGHT",
     "DEFAULT_DIRECT_ALIGNMENT",
     "IOV_MAX",
     "QUEUE_DEPTHS",
@@ -57,29 +56,11 @@ __all__ = [
     "measure_queue_depth",
     "open_io_engine",
     "probe_io_uring",
-    "suggested_queue_depth",
 ]
 
 log = logging.getLogger("kvtier.io")
 
 EngineKind = Literal["auto", "io_uring", "threads"]
-
-
-BYTES_IN_FLIGHT = 8 << 20
-"""Bytes in flight that :func:`suggested_queue_depth` aims for."""
-
-
-def suggested_queue_depth(block_bytes: int, *, limit: int = 32) -> int:
-    """A depth for ``block_bytes`` requests, unmeasured: 8 MiB in flight, 1 to ``limit``.
-
-    Advice from one fio sweep (32 at 64 and 256 KiB, 4 at 2 MiB, 1 at 8 MiB),
-    which the benchmark machine of issue 21 contradicts: there depth 32 beat 4
-    at 2 MiB and 1 at 8 MiB. The file tier does not use it; it measures with
-    :func:`measure_queue_depth` (``queue_depth="auto"``).
-    """
-    if block_bytes <= 0:
-        raise InvalidArgumentError(f"block_bytes must be positive, got {block_bytes}")
-    return max(1, min(limit, BYTES_IN_FLIGHT // block_bytes))
 
 
 QUEUE_DEPTHS = (1, 4, 8, 16, 32)

@@ -10,7 +10,7 @@ import pytest
 
 from kvtier.errors import AlignmentError, InvalidArgumentError, TierIOError
 from kvtier.testing.io_engine import PAGE, FaultyEngine, IOEngineSuite, aligned_buffer
-from kvtier.transfer.io_engine import open_io_engine, probe_io_uring, suggested_queue_depth
+from kvtier.transfer.io_engine import open_io_engine, probe_io_uring
 
 _NO_URING = probe_io_uring()
 
@@ -73,15 +73,6 @@ def test_probe_survives_a_child_that_dies(
 async def test_queue_depth_range(depth: int) -> None:
     with pytest.raises(InvalidArgumentError):
         await open_io_engine("threads", queue_depth=depth)
-
-
-@pytest.mark.parametrize(
-    ("block", "depth"),
-    [(64 << 10, 32), (256 << 10, 32), (2 << 20, 4), (8 << 20, 1), (64 << 20, 1)],
-    ids=["64KiB", "256KiB", "2MiB", "8MiB", "64MiB"],
-)
-def test_suggested_queue_depth(block: int, depth: int) -> None:
-    assert suggested_queue_depth(block) == depth
 
 
 async def test_faulty_engine_injects_real_failures(tmp_path: Path) -> None:
