@@ -178,11 +178,31 @@ done:
     return out;
 }
 
-/* reap(cq, head_at, tail_at, mask, cqes_at) -> list[tuple[int, int, int]]: every
-   completion posted so far as (tag >> 32, tag & 0xffffffff, result), oldest first,
-   released to the kernel. `cq` is the completion ring's mapping; the other
-   arguments are byte offsets into it and the ring's mask. The tail is loaded with
-   acquire order, so the entries read after it are the kernel's (on any CPU). */
+/* Close the run being collected: append (batch, outcomes, moved, failed) to out. */
+static int
+end_run(PyObject *out, unsigned long batch, PyObject **outcomes, long long moved, long failed)
+{
+    if (*outcomes == NULL)
+        return 0;
+    PyObject *run = Py_BuildValue("(kOLl)", batch, *outcomes, moved, failed);
+    Py_CLEAR(*outcomes);
+    if (run == NULL)
+        return -1;
+    int rc = PyList_Append(out, run);
+    Py_DECREF(run);
+    return rc;
+}
+
+/* reap(cq, head_at, tail_at, mask, cqes_at) -> list[tuple[int, list, int, int]]: every
+   completion posted so far, oldest first, released to the kernel, in runs of one
+   batch (tag >> 32): (batch, outcomes, moved, failed), where outcomes holds
+   (tag & 0xffffffff, result, None) per completion (the shape a submit_many
+   callback takes), moved the sum of the results that are not negative and failed
+   the count of those that are (-errno, for the caller to turn into errors).
+   Consecutive completions of one batch share a run; a batch may have several
+   runs in one reap. `cq` is the completion ring's mapping; the other arguments
+   are byte offsets into it and the ring's mask. The tail is loaded with acquire
+   order, so the entries read after it are the kernel's (on any CPU). */
 static PyObject *
 reap(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
@@ -206,6 +226,10 @@ reap(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     uint32_t *headp = (uint32_t *)((char *)cq.buf + head_at);
     uint32_t *tailp = (uint32_t *)((char *)cq.buf + tail_at);
     PyObject *out = PyList_New(0);
+    PyObject *outcomes = NULL;
+    unsigned long batch = 0;
+    long long moved = 0;
+    long failed = 0;
     if (out == NULL)
         goto done;
     uint32_t head = *headp;
@@ -219,9 +243,23 @@ reap(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
             int32_t res;
             memcpy(&tag, cqe, 8);
             memcpy(&res, cqe + 8, 4);
-            PyObject *item = Py_BuildValue("(kki)", (unsigned long)(tag >> 32),
-                                           (unsigned long)(tag & 0xFFFFFFFFu), (int)res);
-            if (item == NULL || PyList_Append(out, item) < 0) {
+            unsigned long this_batch = (unsigned long)(tag >> 32);
+            if (outcomes == NULL || this_batch != batch) {
+                if (end_run(out, batch, &outcomes, moved, failed) < 0 ||
+                    (outcomes = PyList_New(0)) == NULL) {
+                    Py_CLEAR(out);
+                    goto done;
+                }
+                batch = this_batch;
+                moved = 0;
+                failed = 0;
+            }
+            if (res < 0)
+                failed++;
+            else
+                moved += res;
+            PyObject *item = Py_BuildValue("(kiO)", (unsigned long)(tag & 0xFFFFFFFFu), (int)res, Py_None);
+            if (item == NULL || PyList_Append(outcomes, item) < 0) {
                 Py_XDECREF(item);
                 Py_CLEAR(out);
                 goto done;
@@ -231,7 +269,10 @@ reap(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
             __atomic_store_n(headp, head, __ATOMIC_RELEASE);
         }
     }
+    if (end_run(out, batch, &outcomes, moved, failed) < 0)
+        Py_CLEAR(out);
 done:
+    Py_XDECREF(outcomes);
     PyBuffer_Release(&cq);
     return out;
 }
@@ -245,7 +286,8 @@ static PyMethodDef methods[] = {
      "prep_rw(sqes, mask, tail, opcode, fd, iovecs, stride, requests, offsets, start, count, "
      "batch) -> int: write io_uring entries for a run of requests; the new tail."},
     {"reap", (PyCFunction)(void (*)(void))reap, METH_FASTCALL,
-     "reap(cq, head_at, tail_at, mask, cqes_at) -> list of (batch, index, result)."},
+     "reap(cq, head_at, tail_at, mask, cqes_at) -> list of (batch, outcomes, moved, failed): "
+     "the completions posted, in runs of one batch."},
     {NULL, NULL, 0, NULL},
 };
 

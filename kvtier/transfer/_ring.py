@@ -36,7 +36,7 @@ from kvtier.transfer._io_base import buffer_address
 
 try:
     # A run of requests prepared, or every completion reaped, in one call (see
-    # prep_rw and reap_tagged): a few microseconds of Python per request less.
+    # prep_rw and reap_runs): a few microseconds of Python per request less.
     from kvtier.transfer import _address as _native
 except ImportError:  # not built (no C compiler at install): the Python below
     _native = None  # type: ignore[assignment]
@@ -224,7 +224,7 @@ class Ring:
         """Write the entries of ``requests[start:start + count]`` (checked, contiguous buffers).
 
         Request ``i``'s ``struct iovec`` array is written at ``iovecs[i * stride * 16:]``
-        and its tag is ``batch << 32 | i`` (see :meth:`reap_tagged`). The caller
+        and its tag is ``batch << 32 | i`` (see :meth:`reap_runs`). The caller
         checks :meth:`space` first and keeps ``iovecs`` and the buffers alive
         until the requests are reaped.
         """
@@ -316,8 +316,16 @@ class Ring:
                 words[self._cq_head] = head
                 yield tag, res
 
-    def reap_tagged(self) -> list[tuple[int, int, int]]:
-        """:meth:`reap` in one call: ``(tag >> 32, tag & 0xFFFFFFFF, result)`` each."""
+    def reap_runs(self) -> list[tuple[int, list[tuple[int, int, BaseException | None]], int, int]]:
+        """:meth:`reap` in one call, in runs of one batch (tags as :meth:`prep_rw` makes them).
+
+        Each run is ``(batch, outcomes, moved, failed)``: ``outcomes`` holds
+        ``(index, result, None)`` for consecutive completions of ``batch`` (the
+        shape a ``submit_many`` callback takes, so a run without failures is
+        handed on as it is), ``moved`` the sum of the results that are not
+        negative, ``failed`` how many are negative (``-errno``). A batch may
+        have several runs in one reap.
+        """
         if _native is not None:
             return _native.reap(
                 self._cq_bytes,
@@ -326,7 +334,15 @@ class Ring:
                 self._cq_mask,
                 self._cqes,
             )
-        return [(tag >> 32, tag & 0xFFFFFFFF, res) for tag, res in self.reap()]
+        runs: list[tuple[int, list[tuple[int, int, BaseException | None]], int, int]] = []
+        for tag, res in self.reap():
+            batch = tag >> 32
+            if not runs or runs[-1][0] != batch:
+                runs.append((batch, [], 0, 0))
+            _, outcomes, moved, failed = runs[-1]
+            outcomes.append((tag & 0xFFFFFFFF, res, None))
+            runs[-1] = (batch, outcomes, moved + max(res, 0), failed + (res < 0))
+        return runs
 
     def wait(self) -> None:
         """Block until at least one completion is posted (for probes and tests)."""

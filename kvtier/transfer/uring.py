@@ -15,7 +15,8 @@ through ctypes, the queues through mmap), not a binding's: the PyPI
 export of every ``Iovec`` item forever. A batch's ``struct iovec`` arrays live
 in one ``bytearray``, written with its submission entries by one compiled call
 per run of requests (:meth:`Ring.prep_rw`); its completions are read by one
-call per reap (:meth:`Ring.reap_tagged`). The batch's own memoryviews hold the
+call per reap (:meth:`Ring.reap_runs`, already in the shape the batch's
+callback takes). The batch's own memoryviews hold the
 caller's buffers exported (so they cannot be unmapped) until its last request
 is reaped.
 """
@@ -76,6 +77,8 @@ class _Batch:
     stride: int = 1
     reaped: _Reported = field(default_factory=list)
     """Outcomes reaped and not yet reported (within one reap)."""
+    moved: int = 0
+    """Bytes the requests in ``reaped`` transferred."""
 
 
 class UringEngine(IOEngine):
@@ -264,21 +267,27 @@ class UringEngine(IOEngine):
             os.eventfd_read(self._efd)
         # The eventfd is read first: a completion posted while reaping either is
         # reaped now or signals the eventfd again.
-        reaped = self._ring.reap_tagged()
         batches = self._batches
         touched: list[_Batch] = []
-        for ident, index, res in reaped:
+        count = 0
+        for ident, outcomes, moved, failed in self._ring.reap_runs():
+            count += len(outcomes)
             batch = batches.get(ident)
             if batch is None:
                 continue
-            if not batch.reaped:
-                touched.append(batch)
-            if res >= 0:
-                batch.reaped.append((index, res, None))
+            if failed:
+                outcomes = [
+                    (i, res, None) if res >= 0 else (i, 0, self._error(batch, i, -res))
+                    for i, res, _ in outcomes
+                ]
+            if batch.reaped:
+                batch.reaped.extend(outcomes)
             else:
-                batch.reaped.append((index, 0, self._error(batch, index, -res)))
-        self._in_flight -= len(reaped)
-        self._completed += len(reaped)
+                touched.append(batch)
+                batch.reaped = outcomes
+            batch.moved += moved
+        self._in_flight -= count
+        self._completed += count
         if self._queue:
             # Requests waiting for ring room go in before the callers run: a
             # caller's work on what was reaped (a tier verifying 32 blocks of
@@ -286,11 +295,11 @@ class UringEngine(IOEngine):
             # instead of leaving it idle.
             self._flush()
         for batch in touched:
-            moved = sum(n for _, n, _ in batch.reaped)
             if batch.kind == _READ:
-                self._bytes_read += moved
+                self._bytes_read += batch.moved
             elif batch.kind == _WRITE:
-                self._bytes_written += moved
+                self._bytes_written += batch.moved
+            batch.moved = 0
             self._report(batch)
         if self._queue:
             self._flush()

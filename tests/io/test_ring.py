@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import itertools
 import os
+import struct
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +66,57 @@ def test_completions_signal_the_registered_eventfd() -> None:
         ring.close()
     assert ring.fd == -1
     ring.close()  # twice is fine
+
+
+_Runs = list[tuple[int, list[tuple[int, int, BaseException | None]], int, int]]
+
+
+def _reap_all_runs(ring: Ring, expected: int) -> _Runs:
+    runs: _Runs = []
+    while sum(len(o) for _, o, _, _ in runs) < expected:
+        ring.wait()
+        runs += ring.reap_runs()
+    return runs
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "python"])
+def test_reap_runs_groups_completions_by_batch_with_bytes_and_failures(
+    native: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.transfer import _ring
+
+    if not native:
+        monkeypatch.setattr(_ring, "_native", None)
+    path = tmp_path / "data"
+    path.write_bytes(b"k" * 600)
+    fd = os.open(path, os.O_RDONLY)
+    buf = ctypes.create_string_buffer(600)
+    iov = ctypes.create_string_buffer(struct.pack("@PN", ctypes.addressof(buf), 600))
+    ring = Ring(8)
+    try:
+        requests = [
+            (OP_NOP, -1, 0, 0, 1 << 32 | 0),
+            (OP_READV, fd, ctypes.addressof(iov), 1, 1 << 32 | 1),
+            (OP_READV, 10_000, 0, 0, 2 << 32 | 0),  # no such descriptor
+            (OP_READV, fd, ctypes.addressof(iov), 1, 1 << 32 | 2),
+            (OP_READV, 10_000, 0, 0, 1 << 32 | 3),
+        ]
+        for op, rfd, addr, n, tag in requests:
+            ring.prep(op, rfd, addr, n, 0, tag)
+        ring.submit()
+        runs = _reap_all_runs(ring, len(requests))
+    finally:
+        ring.close()
+        os.close(fd)
+    # Runs are maximal: two in a row never belong to the same batch.
+    assert all(a[0] != b[0] for a, b in itertools.pairwise(runs))
+    merged: dict[int, tuple[list[tuple[int, int, BaseException | None]], int, int]] = {}
+    for batch, outcomes, moved, failed in runs:
+        assert moved == sum(r for _, r, _ in outcomes if r >= 0)
+        assert failed == sum(1 for _, r, _ in outcomes if r < 0)
+        got, m, f = merged.get(batch, ([], 0, 0))
+        merged[batch] = (got + outcomes, m + moved, f + failed)
+    assert {b: (sorted(o), m, f) for b, (o, m, f) in merged.items()} == {
+        1: ([(0, 0, None), (1, 600, None), (2, 600, None), (3, -errno.EBADF, None)], 1200, 1),
+        2: ([(0, -errno.EBADF, None)], 0, 1),
+    }
