@@ -7,11 +7,20 @@ submission order from one queue.
 Built to cost little per request, the way the io_uring engine does: a batch
 (one request for :meth:`~kvtier.transfer.io_engine.IOEngine.readv`, many for
 :meth:`~kvtier.transfer.io_engine.IOEngine.submit_many`) is queued as
-``(batch, index)`` pairs under one lock, and a parked worker is woken only
-while one is idle. A worker appends each outcome to a deque and wakes the
-loop only when no wake-up is pending (one ``call_soon_threadsafe`` per burst
-of completions, like io_uring's eventfd); the loop then reports each batch
-once per drain. A loop already closed cannot break a worker.
+``(batch, index)`` pairs, and a parked worker is woken only while one is idle.
+A worker appends each outcome to a deque and wakes the loop (one
+``call_soon_threadsafe``, like io_uring's eventfd) only when no wake-up is
+pending and either the queue is empty or ``queue_depth // 2`` outcomes wait;
+the loop then reports each batch once per drain. While requests are queued
+every worker is busy, so an outcome waits for at most that many more
+completions. A loop already closed cannot break a worker.
+
+The queue, the parked workers and the outcomes are a deque and lists whose
+single operations are atomic (the GIL, or the per-object locks of a
+free-threaded build): no lock is taken per request. Measured on 64 KiB
+requests at depth 32 against a ``threading.Lock`` around them and a wake-up
+per outcome: about 10% fewer context switches per request, and fresh-file
+fills at 256 KiB 0.96-0.99x fio against 0.90x.
 """
 
 from __future__ import annotations
@@ -68,6 +77,9 @@ class _Batch:
         """Outcomes drained and not yet reported (within one drain)."""
 
 
+_PARK: Any = object()
+"""What a worker takes from an empty queue."""
+
 _Done = tuple[_Batch, int, int, BaseException | None]
 """A worker's outcome: ``(batch, index, bytes, None)`` or ``(batch, index, 0, error)``."""
 
@@ -85,9 +97,6 @@ class ThreadEngine(IOEngine):
     def __init__(self, *, queue_depth: int = 32) -> None:
         super().__init__(queue_depth=queue_depth)
         self._loop = asyncio.get_running_loop()
-        # Guards _jobs and _parked together: a worker that finds no job parks
-        # under it, so a request queued after that look finds it parked.
-        self._lock = threading.Lock()
         self._jobs: collections.deque[tuple[_Batch, int] | None] = collections.deque()
         self._parked: list[threading.Lock] = []
         """Idle workers' wake-up locks (held; released to wake one)."""
@@ -97,6 +106,8 @@ class ThreadEngine(IOEngine):
         self._done: collections.deque[_Done] = collections.deque()
         self._woken = False
         """A drain is scheduled and has not yet started taking outcomes."""
+        self._burst = max(1, queue_depth // 2)
+        """Outcomes that wake the loop while requests are still queued."""
         self._in_flight = 0
         """Requests queued or running, or finished and not yet drained (loop side)."""
         self._idle: asyncio.Future[None] | None = None
@@ -141,13 +152,25 @@ class ThreadEngine(IOEngine):
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
-            with self._lock:
-                dropped = [j for j in self._jobs if j is not None]
-                self._jobs.clear()
-                # One sentinel per worker: each exits after its current request.
-                self._jobs.extend([None] * len(self._threads))
-                parked, self._parked = self._parked, []
-            for wake in parked:
+            # One popleft at a time: a worker may take a job meanwhile, and
+            # each job must go either to it or to the dropped, never both.
+            jobs = self._jobs
+            dropped: list[tuple[_Batch, int]] = []
+            while jobs:
+                try:
+                    job = jobs.popleft()
+                except IndexError:
+                    break
+                if job is not None:
+                    dropped.append(job)
+            # One sentinel per worker: each exits after its current request.
+            jobs.extend([None] * len(self._threads))
+            parked = self._parked
+            while parked:
+                try:
+                    wake = parked.pop()
+                except IndexError:
+                    break
                 wake.release()
             closed = ClosedError("the thread I/O engine was closed")
             touched: list[_Batch] = []
@@ -173,18 +196,21 @@ class ThreadEngine(IOEngine):
         self._in_flight += count
         self._max_in_flight = max(self._max_in_flight, min(self._in_flight, self._depth))
         jobs = self._jobs
-        with self._lock:
-            if count == 1:
-                jobs.append((batch, 0))
-            else:
-                jobs.extend(zip(itertools.repeat(batch, count), range(count), strict=True))
-            # Only as many idle workers as there are new requests: a busy one
-            # takes the next job itself when its request is done.
-            parked = self._parked
-            wake = parked[-count:]
-            del parked[-count:]
-        for lock in wake:
-            lock.release()
+        if count == 1:
+            jobs.append((batch, 0))
+        else:
+            jobs.extend(zip(itertools.repeat(batch, count), range(count), strict=True))
+        # Only as many idle workers as there are new requests: a busy one
+        # takes the next job itself when its request is done. The jobs are
+        # queued first, so a worker parking meanwhile either finds them (see
+        # _worker) or is in the list by now.
+        parked = self._parked
+        for _ in range(count):
+            try:
+                wake = parked.pop()
+            except IndexError:
+                break
+            wake.release()
         threads = self._threads
         want = min(self._depth, self._in_flight)
         while len(threads) < want:
@@ -193,18 +219,43 @@ class ThreadEngine(IOEngine):
             t.start()
 
     def _worker(self) -> None:
-        lock, jobs, parked, done = self._lock, self._jobs, self._parked, self._done
+        jobs, parked, done = self._jobs, self._parked, self._done
         preadv, pwritev = os.preadv, os.pwritev
+        burst = self._burst
         wake = threading.Lock()
         wake.acquire()
+        outcome: _Done | None = None
         while True:
-            with lock:
-                park = not jobs
-                if park:
-                    parked.append(wake)
-                else:
-                    job = jobs.popleft()
-            if park:
+            try:
+                job = jobs.popleft()
+            except IndexError:
+                job = _PARK
+            # The next job is taken before the last outcome is published: the
+            # device gets it sooner, and the wake-up below knows what is left.
+            if outcome is not None:
+                done.append(outcome)
+                outcome = None
+            if not self._woken and done and (not jobs or job is None or len(done) >= burst):
+                # Queued requests keep every worker busy, so an outcome left
+                # here is followed by others: the burst fills, or the worker
+                # that takes the last job (the queue is then empty) wakes the
+                # loop. The drain clears the flag before it takes outcomes,
+                # so one appended after that schedules another drain.
+                self._woken = True
+                # RuntimeError: the loop was closed under us, nobody is left to tell.
+                with contextlib.suppress(RuntimeError):
+                    self._loop.call_soon_threadsafe(self._drain)
+            if job is _PARK:
+                parked.append(wake)
+                if jobs:
+                    # Queued between the popleft and the append: _enqueue may
+                    # not have seen this worker parked. Take it back, or
+                    # consume the release _enqueue (or aclose) already made.
+                    try:
+                        parked.remove(wake)
+                    except ValueError:
+                        wake.acquire()
+                    continue
                 # Released by _enqueue (a job was queued) or aclose (the sentinel).
                 wake.acquire()
                 continue
@@ -224,18 +275,10 @@ class ThreadEngine(IOEngine):
                 # An error fails its request, never the thread (later requests
                 # would wait for ever, and aclose with them). Without its
                 # traceback: that would hold this frame, hence its last job.
-                done.append((batch, index, 0, exc.with_traceback(None)))
+                outcome = (batch, index, 0, exc.with_traceback(None))
             else:
-                done.append((batch, index, res, None))
+                outcome = (batch, index, res, None)
             del job, batch
-            if not self._woken:
-                # One wake-up per burst: the drain clears the flag before it
-                # takes outcomes, so an outcome appended after that schedules
-                # another drain, and none is left behind.
-                self._woken = True
-                # RuntimeError: the loop was closed under us, nobody is left to tell.
-                with contextlib.suppress(RuntimeError):
-                    self._loop.call_soon_threadsafe(self._drain)
 
     def _drain(self) -> None:
         """Loop side: report every outcome the workers have appended."""
