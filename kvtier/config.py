@@ -161,8 +161,8 @@ class FileTierConfig(_Frozen):
     queue_depth: QueueDepth = "auto"
     """Most I/O requests in flight at once: an int of 1..4096, or ``auto``, which
     measures the depths 1 to 32 on the tier's own slot file at open and takes the
-    deepest within 10% of the fastest (32 where the file is too small to measure
-    or is not O_DIRECT)."""
+    deepest whose best round is within 10% of the fastest depth's typical rate
+    (32 where the file is too small to measure or is not O_DIRECT)."""
     durability: DurabilityMode = "none"
     """``fsync``: the slot file is fsynced before a written block becomes visible
     (survives power loss; one flush per group of blocks written meanwhile);

@@ -19,7 +19,12 @@ from kvtier.layout import KVLayout, TensorSpec
 from kvtier.testing.faults import FaultPlan, FaultyIOEngine
 from kvtier.tiers._slots import data_runs, probe_range
 from kvtier.tiers.file_tier import AUTO_DEPTH_FALLBACK, FileTier
-from kvtier.transfer.io_engine import QUEUE_DEPTHS, measure_queue_depth, open_io_engine
+from kvtier.transfer.io_engine import (
+    QUEUE_DEPTHS,
+    choose_depth,
+    measure_queue_depth,
+    open_io_engine,
+)
 
 BLOCK = 64 * 1024
 SLOT = 4096 + BLOCK
@@ -189,3 +194,25 @@ async def test_auto_with_buffered_io_measures_nothing(tmp_path: Path) -> None:
             os.close(fd)
     finally:
         await tier.aclose()
+
+
+@pytest.mark.parametrize(
+    ("rates", "chosen"),
+    [
+        # All within the noise: the deepest.
+        ({1: [1.0, 1.1], 8: [2.0, 2.1], 32: [2.0, 1.95]}, 32),
+        # One lucky round of a shallow depth (its confirmation rounds then
+        # typical) does not push the deep one out, as a best-round rule would.
+        ({8: [3.0, 2.0, 2.05], 32: [2.1, 2.05, 2.0]}, 32),
+        # A shallow depth faster round after round wins.
+        ({8: [3.0, 3.1], 32: [2.0, 2.2]}, 8),
+        # Beyond the tolerance from the typically fastest: not chosen.
+        ({4: [5.0, 5.0, 5.0], 16: [4.6, 4.4], 32: [4.4, 4.0]}, 16),
+        # A single depth.
+        ({4: [1.0]}, 4),
+    ],
+)
+def test_choose_depth_takes_the_deepest_whose_best_round_is_near_the_typical_best(
+    rates: dict[int, list[float]], chosen: int
+) -> None:
+    assert choose_depth(rates, 0.10) == chosen
