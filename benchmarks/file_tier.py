@@ -280,6 +280,16 @@ async def timed(nbytes: int, work: Callable[[], Awaitable[None]]) -> Figure:
     return Figure(nbytes / wall / 1e9, cpu / (nbytes / 1e9))
 
 
+@dataclass(frozen=True, slots=True)
+class EngineRun:
+    """The I/O engine alone on one file."""
+
+    write: Figure
+    read: Figure
+    arrival_hash_s_per_gb: float
+    """One XXH3 pass, CPU s/GB, over blocks each hashed as its read completed."""
+
+
 def layout() -> KVLayout:
     spec = TensorSpec(name="kv", shape=(4, 1024), dtype="float16", itemsize=2, kv_first=False)
     return KVLayout(tensors=(spec,), model_id="bench", block_tokens=16)
@@ -400,9 +410,10 @@ async def run_engine_only(
     total: int,
     region: mmap.mmap,
     passes: int = 1,
-) -> tuple[Figure, Figure]:
+) -> EngineRun:
     """Raw engine writes then reads of one written O_DIRECT file (a first pass
-    unmeasured), ``passes`` passes of it each."""
+    unmeasured), ``passes`` passes of it each; then one XXH3 pass over blocks
+    as their reads complete."""
     path = directory / f"engine-{engine}.dat"
     n = max(1, total // bs)
     rows = len(region) // bs
@@ -412,15 +423,21 @@ async def run_engine_only(
     eng = await open_io_engine(engine, queue_depth=depth)  # type: ignore[arg-type]
     try:
 
-        async def go(write: bool) -> None:
+        async def go(write: bool, hash_fn: Callable[[memoryview], int] | None = None) -> float:
+            """One pass; with ``hash_fn``, each block hashed as its read completes
+            (CPU seconds of the hashing returned)."""
             call = eng.writev if write else eng.readv
-            done = [
-                call(fd, [view[(i % rows) * bs : (i % rows + 1) * bs]], i * bs, alignment=4096)
-                for i in range(n)
-            ]
-            for d in done:
+            blocks = [view[(i % rows) * bs : (i % rows + 1) * bs] for i in range(n)]
+            done = [call(fd, [b], i * bs, alignment=4096) for i, b in enumerate(blocks)]
+            hashing = 0.0
+            for d, block in zip(done, blocks, strict=True):
                 if await d != bs:
                     raise RuntimeError("short transfer")
+                if hash_fn is not None:
+                    t0 = time.thread_time()
+                    hash_fn(block)
+                    hashing += time.thread_time() - t0
+            return hashing
 
         async def writes() -> None:
             for _ in range(passes):
@@ -433,11 +450,16 @@ async def run_engine_only(
         await go(True)  # the device's first write of each block is not what is compared
         wrote = await timed(passes * n * bs, writes)
         read = await timed(passes * n * bs, reads)
+        # The least a verifying reader pays to hash what it reads: each block
+        # right after the device wrote it (as the tier meets it), the cheaper
+        # implementation. Memory the device wrote hashes slower here than
+        # memory the CPU wrote (run 11 of docs/file-tier.md).
+        arrival = min([await go(False, fn) for fn in (xxhash.xxh3_64_intdigest, _blocks.checksum)])
     finally:
         await eng.aclose()
         os.close(fd)
         os.unlink(path)
-    return wrote, read
+    return EngineRun(wrote, read, arrival / (n * bs / 1e9))
 
 
 async def recovery_time(directory: Path, blocks: int) -> float:
@@ -584,7 +606,7 @@ def main() -> None:
     tier_rows: dict[tuple[str, str, int, int], Figure] = {}
     chosen: dict[tuple[str, int], list[int]] = {}
     read_hash: dict[tuple[str, int, int], list[float]] = {}
-    bare_runs: dict[str, list[tuple[Figure, Figure]]] = {e: [] for e in engines}
+    bare_runs: dict[tuple[str, int], list[EngineRun]] = {}
     open_s: dict[tuple[str, int], list[float]] = {}
     for engine in engines:
         for bs in SIZES:
@@ -600,11 +622,11 @@ def main() -> None:
                 for depth in TIER_DEPTHS if rep % 2 == 0 else TIER_DEPTHS[::-1]:
                     one = asyncio.run(run_tier(args.dir, engine, bs, depth, total, region, passes))
                     tier_runs[depth].append(one)
-                if bs == 64 * KiB:
-                    # The bare engine in the same repeat as the tier it is
-                    # compared with (the 64 KiB CPU target is a per-repeat ratio).
-                    alone = run_engine_only(args.dir, engine, bs, 32, total, region, passes)
-                    bare_runs[engine].append(asyncio.run(alone))
+                # The bare engine in the same repeat as the tier it is compared
+                # with (the 64 KiB CPU target and the read floor are per-repeat
+                # ratios).
+                alone = run_engine_only(args.dir, engine, bs, 32, total, region, passes)
+                bare_runs.setdefault((engine, bs), []).append(asyncio.run(alone))
             chosen[(engine, bs)] = [d for d, _ in probes]
             open_s[(engine, bs)] = [t for _, t in probes]
             for depth in TIER_DEPTHS:
@@ -675,18 +697,22 @@ def main() -> None:
             )
             print(f"  {engine:8s} {fmt(bs):7s} {picks}")
     print()
-    print("I/O engines alone, 64 KiB requests, depth 32 (one written file, each repeat):")
-    engine_only: dict[tuple[str, str], Figure] = {}
+    print("I/O engines alone, depth 32 (one written file, each repeat), and one XXH3 pass")
+    print("over blocks as their reads complete:")
+    engine_only: dict[tuple[str, str, int], Figure] = {}
     for engine in engines:
-        for i, rw in enumerate(("write", "read")):
-            figs = [run[i] for run in bare_runs[engine]]
-            raw[f"engine-only/{engine}/{rw}/{64 * KiB}/32"] = figs
-            engine_only[(engine, rw)] = median_figure(figs)
-        w, r = engine_only[(engine, "write")], engine_only[(engine, "read")]
-        print(
-            f"  {engine:8s} write {w.gbps:.2f} GB/s {w.cpu_s_per_gb:.3f} CPU s/GB | "
-            f"read {r.gbps:.2f} GB/s {r.cpu_s_per_gb:.3f} CPU s/GB"
-        )
+        for bs in SIZES:
+            for rw in ("write", "read"):
+                figs = [getattr(run, rw) for run in bare_runs[(engine, bs)]]
+                raw[f"engine-only/{engine}/{rw}/{bs}/32"] = figs
+                engine_only[(engine, rw, bs)] = median_figure(figs)
+            w, r = engine_only[(engine, "write", bs)], engine_only[(engine, "read", bs)]
+            arrival = statistics.median(x.arrival_hash_s_per_gb for x in bare_runs[(engine, bs)])
+            print(
+                f"  {engine:8s} {fmt(bs):7s} write {w.gbps:.2f} GB/s {w.cpu_s_per_gb:.3f} CPU s/GB"
+                f" | read {r.gbps:.2f} GB/s {r.cpu_s_per_gb:.3f} CPU s/GB | XXH3 on arrival "
+                f"{arrival:.3f} CPU s/GB"
+            )
     region.close()
 
     print()
@@ -755,14 +781,14 @@ def main() -> None:
                     f"ratio ({', '.join(f'{x:.2f}' for x in per)}) (>= 0.95); against each "
                     f"repeat's fastest depth: {', '.join(f'{x:.2f}' for x in vs_max)}",
                 )
-        for i, op in enumerate(("write", "read")):
+        for op in ("write", "read"):
             cpu = tier_rows[(engine, op, 64 * KiB, 32)].cpu_s_per_gb
-            bare = engine_only[(engine, op)].cpu_s_per_gb
+            bare = engine_only[(engine, op, 64 * KiB)].cpu_s_per_gb
             # Each repeat's tier against the bare engine of the same repeat.
             tier_figs = raw[f"{engine}/{op}/{64 * KiB}/32"]
+            bare_figs = raw[f"engine-only/{engine}/{op}/{64 * KiB}/32"]
             per = [
-                t.cpu_s_per_gb / b[i].cpu_s_per_gb
-                for t, b in zip(tier_figs, bare_runs[engine], strict=True)
+                t.cpu_s_per_gb / b.cpu_s_per_gb for t, b in zip(tier_figs, bare_figs, strict=True)
             ]
             paired = statistics.median(per)
             target(
@@ -780,18 +806,22 @@ def main() -> None:
             # own start-up, e.g. faulting in 256 MiB of buffers at 8 MiB x 32).
             fio_reads = [fio_rows[k].cpu_s_per_gb for k in fio_rows if k[:2] == ("read", bs)]
             io_cpu, source = (min(fio_reads), "fio") if fio_reads else (None, "")
-            if io_cpu is None and bs == 64 * KiB:
-                io_cpu, source = engine_only[(engine, "read")].cpu_s_per_gb, "bare engine"
             if io_cpu is None:
-                continue
-            # Each repeat's loads against one XXH3 pass over the very rows
-            # they filled, hashed right after them (the load of the machine
-            # then weighs on both), plus the kernel's least read CPU; the
-            # median of the repeats' ratios. The run-start XXH3 figure's ratio
-            # is printed beside it.
+                io_cpu, source = engine_only[(engine, "read", bs)].cpu_s_per_gb, "bare engine"
+            # Each repeat's loads against the least a verifying reader pays
+            # in the same repeat: one XXH3 pass over blocks hashed as their
+            # reads complete (memory the device just wrote, as the tier meets
+            # it), plus the kernel's least read CPU; the median of the
+            # repeats' ratios. Beside it, the ratios with the XXH3 pass over
+            # the rows the tier's loads filled (hashed once the loads were
+            # done) and with the run-start figure (memory the CPU wrote).
             reads = raw[f"{engine}/read/{bs}/32"]
-            hashes = read_hash[(engine, bs, 32)]
-            per = [f.cpu_s_per_gb / (h + io_cpu) for f, h in zip(reads, hashes, strict=True)]
+            on_arrival = [x.arrival_hash_s_per_gb for x in bare_runs[(engine, bs)]]
+            rows_after = read_hash[(engine, bs, 32)]
+            per = [f.cpu_s_per_gb / (h + io_cpu) for f, h in zip(reads, on_arrival, strict=True)]
+            per_rows = [
+                f.cpu_s_per_gb / (h + io_cpu) for f, h in zip(reads, rows_after, strict=True)
+            ]
             paired = statistics.median(per)
             cpu = tier_rows[(engine, "read", bs, 32)].cpu_s_per_gb
             start_floor = 1 / xxh + io_cpu
@@ -802,9 +832,11 @@ def main() -> None:
                 paired <= 1.2,
                 f"verified read CPU per GB {fmt(bs)} qd32: {cpu:.3f} = {paired:.2f}x its floor, "
                 f"median of each repeat's ratio ({', '.join(f'{x:.2f}' for x in per)}) (<= 1.2); "
-                f"floor = one XXH3 pass over the rows just read "
-                f"({statistics.median(hashes):.3f}) + {source}'s least read {io_cpu:.3f}; "
-                f"{cpu / start_floor:.2f}x the floor with the run-start XXH3 ({1 / xxh:.3f})",
+                f"floor = one XXH3 pass over blocks as their reads complete "
+                f"({statistics.median(on_arrival):.3f}) + {source}'s least read {io_cpu:.3f}; "
+                f"with XXH3 over the rows after the loads ({statistics.median(rows_after):.3f}): "
+                f"{statistics.median(per_rows):.2f}x; with the run-start XXH3 "
+                f"({1 / xxh:.3f}): {cpu / start_floor:.2f}x",
             )
     report["targets"] = targets
 
