@@ -17,10 +17,11 @@ completions. A loop already closed cannot break a worker.
 
 The queue, the parked workers and the outcomes are a deque and lists whose
 single operations are atomic (the GIL, or the per-object locks of a
-free-threaded build): no lock is taken per request. Measured on 64 KiB
-requests at depth 32 against a ``threading.Lock`` around them and a wake-up
-per outcome: about 10% fewer context switches per request, and fresh-file
-fills at 256 KiB 0.96-0.99x fio against 0.90x.
+free-threaded build): no lock is taken per request. Measured against a
+``threading.Lock`` around them and a wake-up per burst, a fresh tier's 256
+KiB writes at depth 32 (alternated in one process): 2.9 context switches
+per request against 3.3, 0.23 CPU s/GB against 0.31, 0.86x fio's rate into
+a fresh file against 0.77x.
 """
 
 from __future__ import annotations
