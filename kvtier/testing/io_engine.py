@@ -27,7 +27,13 @@ from kvtier.errors import AlignmentError, ClosedError, InvalidArgumentError, Tie
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine, open_io_engine
 
-__all__ = ["FaultyEngine", "IOEngineSuite", "aligned_buffer", "cancel_one_awaiter"]
+__all__ = [
+    "BatchOutcomes",
+    "FaultyEngine",
+    "IOEngineSuite",
+    "aligned_buffer",
+    "cancel_one_awaiter",
+]
 
 PAGE = mmap.PAGESIZE
 
@@ -51,6 +57,40 @@ async def cancel_one_awaiter(done: Completion[Any]) -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+class BatchOutcomes:
+    """A ``submit_many`` callback that keeps every ``(index, bytes, error)`` it is given.
+
+    Parameters
+    ----------
+    fail
+        Raise after recording each call (a caller's bug, which the engine
+        must log without stranding other requests).
+    """
+
+    def __init__(self, *, fail: bool = False) -> None:
+        self.reported: dict[int, tuple[int, BaseException | None]] = {}
+        self.calls = 0
+        self.fail = fail
+        self.changed = asyncio.Event()
+
+    def then(self, done: list[tuple[int, int, BaseException | None]]) -> None:
+        """The callback: records ``done``, asserting no request is reported twice."""
+        self.calls += 1
+        for i, nbytes, exc in done:
+            assert i not in self.reported, "a request was reported twice"
+            self.reported[i] = (nbytes, exc)
+        self.changed.set()
+        if self.fail:
+            raise RuntimeError("a bug in a batch callback")
+
+    async def settle(self, count: int) -> None:
+        """Wait until ``count`` requests are reported (at most 30 s)."""
+        async with asyncio.timeout(30):
+            while len(self.reported) < count:
+                self.changed.clear()
+                await self.changed.wait()
 
 
 def _pattern(nbytes: int, seed: int) -> bytes:

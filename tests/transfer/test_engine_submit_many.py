@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import AlignmentError, ClosedError, InvalidArgumentError, TierIOError
-from kvtier.testing.io_engine import PAGE, FaultyEngine, aligned_buffer
+from kvtier.testing.io_engine import PAGE, BatchOutcomes, FaultyEngine, aligned_buffer
 from kvtier.transfer import _ring
 from kvtier.transfer.io_engine import IOEngine, open_io_engine, probe_io_uring
 
@@ -24,34 +24,12 @@ ENGINES = [
     "threads",
 ]
 
-Reported = dict[int, tuple[int, BaseException | None]]
 
-
-class Batch:
-    """Every ``(index, bytes, error)`` a batch's callback was given, and how many calls."""
-
-    def __init__(self) -> None:
-        self.reported: Reported = {}
-        self.calls = 0
-        self.changed = asyncio.Event()
-
-    def then(self, done: list[tuple[int, int, BaseException | None]]) -> None:
-        self.calls += 1
-        for i, nbytes, exc in done:
-            assert i not in self.reported, "a request was reported twice"
-            self.reported[i] = (nbytes, exc)
-        self.changed.set()
-
-    async def settle(self, count: int) -> None:
-        async with asyncio.timeout(30):
-            while len(self.reported) < count:
-                self.changed.clear()
-                await self.changed.wait()
-
-
-def _write_pages(engine: IOEngine, fd: int, buf: memoryview, n: int, alignment: int) -> Batch:
+def _write_pages(
+    engine: IOEngine, fd: int, buf: memoryview, n: int, alignment: int
+) -> BatchOutcomes:
     """Submit page ``i`` of ``buf`` to file page ``i``, for ``i < n``, as one batch."""
-    batch = Batch()
+    batch = BatchOutcomes()
     pages = [[buf[i * PAGE : (i + 1) * PAGE]] for i in range(n)]
     engine.submit_many(
         False, fd, pages, [i * PAGE for i in range(n)], batch.then, alignment=alignment
@@ -74,11 +52,11 @@ async def _round_trip(engine: IOEngine, fd: int, n: int) -> None:
     pieces = [halves[2 * i : 2 * i + 2] for i in range(n)]
     # Out of file order: each request goes to its own offset.
     offsets = [(n - 1 - i) * 2 * PAGE for i in range(n)]
-    wrote = Batch()
+    wrote = BatchOutcomes()
     engine.submit_many(False, fd, pieces, offsets, wrote.then, alignment=PAGE)
     await wrote.settle(n)
     assert wrote.reported == {i: (2 * PAGE, None) for i in range(n)}
-    read = Batch()
+    read = BatchOutcomes()
     into = [[dst[2 * i * PAGE : (2 * i + 2) * PAGE]] for i in range(n)]
     engine.submit_many(True, fd, into, offsets, read.then, alignment=PAGE)
     await read.settle(n)

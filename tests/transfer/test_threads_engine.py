@@ -20,35 +20,10 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import ClosedError, TierIOError
-from kvtier.testing.io_engine import PAGE, aligned_buffer
+from kvtier.testing.io_engine import PAGE, BatchOutcomes, aligned_buffer
 from kvtier.transfer._io_base import Then
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.threads import ThreadEngine
-
-
-class Batch:
-    """Every ``(index, bytes, error)`` a batch's callback was given, and how many calls."""
-
-    def __init__(self, *, fail: bool = False) -> None:
-        self.reported: dict[int, tuple[int, BaseException | None]] = {}
-        self.calls = 0
-        self.fail = fail
-        self.changed = asyncio.Event()
-
-    def then(self, done: list[tuple[int, int, BaseException | None]]) -> None:
-        self.calls += 1
-        for i, nbytes, exc in done:
-            assert i not in self.reported, "a request was reported twice"
-            self.reported[i] = (nbytes, exc)
-        self.changed.set()
-        if self.fail:
-            raise RuntimeError("a bug in a batch callback")
-
-    async def settle(self, count: int) -> None:
-        async with asyncio.timeout(30):
-            while len(self.reported) < count:
-                self.changed.clear()
-                await self.changed.wait()
 
 
 def _direct_fd(tmp_path: Path, name: str = "f") -> int:
@@ -84,7 +59,7 @@ async def test_outcomes_finished_together_are_reported_in_one_call(tmp_path: Pat
     src = memoryview(mem)
     try:
         requests = [[src[i * PAGE : (i + 1) * PAGE]] for i in range(n)]
-        wrote = Batch()
+        wrote = BatchOutcomes()
         engine.submit_many(
             False, fd, requests, [i * PAGE for i in range(n)], wrote.then, alignment=PAGE
         )
@@ -127,10 +102,10 @@ async def test_failed_and_short_requests_are_counts_and_typed_errors(tmp_path: P
     buf = memoryview(aligned_buffer(8 * PAGE))
     try:
         # Three pages in the file; reads of two pages each, past its end.
-        wrote = Batch()
+        wrote = BatchOutcomes()
         engine.submit_many(False, fd, [[buf[: 3 * PAGE]]], [0], wrote.then, alignment=PAGE)
         await wrote.settle(1)
-        read = Batch()
+        read = BatchOutcomes()
         pieces = [[buf[i * 2 * PAGE : (i + 1) * 2 * PAGE]] for i in range(4)]
         engine.submit_many(
             True, fd, pieces, [i * 2 * PAGE for i in range(4)], read.then, alignment=PAGE
@@ -140,7 +115,7 @@ async def test_failed_and_short_requests_are_counts_and_typed_errors(tmp_path: P
         assert engine.statistics().bytes_read == 3 * PAGE
 
         # Writes to a read-only descriptor: EBADF each, with what failed in the text.
-        failed = Batch()
+        failed = BatchOutcomes()
         engine.submit_many(
             False,
             ro,
@@ -181,7 +156,7 @@ async def test_closing_with_requests_queued_and_in_flight(tmp_path: Path) -> Non
     mem = aligned_buffer(64 * 16 * PAGE)
     view = memoryview(mem)
     requests = [[view[i * 16 * PAGE : (i + 1) * 16 * PAGE]] for i in range(64)]
-    batch = Batch()
+    batch = BatchOutcomes()
     engine.submit_many(
         False, fd, requests, [i * 16 * PAGE for i in range(64)], batch.then, alignment=PAGE
     )
@@ -221,7 +196,7 @@ async def test_a_raising_callback_strands_nothing(
     fd = _direct_fd(tmp_path)
     buf = memoryview(aligned_buffer(32 * PAGE))
     try:
-        broken = Batch(fail=True)
+        broken = BatchOutcomes(fail=True)
         with caplog.at_level(logging.ERROR, logger="kvtier.io"):
             engine.submit_many(
                 False,
@@ -271,7 +246,7 @@ async def test_every_outcome_arrives_whatever_the_mix(tmp_path: Path, depth: int
     try:
         for _ in range(60):
             size = rng.randint(1, 24)
-            batch = Batch()
+            batch = BatchOutcomes()
             engine.submit_many(
                 rng.random() < 0.5,
                 fd,
