@@ -27,8 +27,8 @@ What is measured, for block sizes 64 KiB, 256 KiB, 2 MiB, 8 MiB:
   (verified), as whole blocks in the slots of its preallocated file, from and
   into an anonymous ``MAP_PRIVATE`` mapping with ``MADV_HUGEPAGE``. CPU
   seconds per GB come from ``getrusage`` (all threads, kernel time included).
-* the I/O engines alone (no headers, no checksums) at 64 KiB, depth 32, on a
-  written file, in each repeat right after the tier's 64 KiB runs.
+* the I/O engines alone (no headers, no checksums) at every block size, depth
+  32, on a written file, in each repeat right after the tier's runs.
 * XXH3-64 throughput, and the time to reopen a tier of ``--recovery`` blocks.
 
 The targets it prints (issue 21), each a ratio of two figures of the run,
@@ -40,12 +40,12 @@ the best is the fastest median) at 256 KiB, 2 MiB and 8 MiB, as the median
 over the repeats of each repeat's ratio (the rate at the depth that repeat
 chose over the best depth's rate in the same repeat; the ratio to each
 repeat's fastest depth is printed too); 64 KiB CPU per GB through the tier
-<= 1.2x the bare engine's; verified read CPU per GB <= 1.2x its floor, as the
-median of each repeat's ratio: one XXH3 pass over the rows that repeat's
-loads filled, in CPU time right after them, the cheaper of the xxhash
-package and kvtier's own C, plus fio's least read CPU per GB at that block
-size (the bare engine's at 64 KiB without fio); the ratio against the XXH3
-figure measured once at the start is printed too.
+<= 1.2x the bare engine's (run in the same repeat); verified read CPU per GB
+<= 1.2x its floor, as the median of each repeat's ratio: one XXH3 pass over
+the rows that repeat's loads filled, in CPU time right after them (no I/O in
+flight), the cheaper of the xxhash package and kvtier's own C, plus fio's
+least read CPU per GB at that block size (the bare engine's without fio);
+the ratio against the XXH3 figure measured once at the start is printed too.
 
 The overwrite and the read are timed over ``--passes`` passes of the tier
 (2; 1 with ``--quick``): one pass of 8 MiB blocks is 128 blocks and a
@@ -286,8 +286,6 @@ class EngineRun:
 
     write: Figure
     read: Figure
-    arrival_hash_s_per_gb: float
-    """One XXH3 pass, CPU s/GB, over blocks each hashed as its read completed."""
 
 
 def layout() -> KVLayout:
@@ -412,8 +410,7 @@ async def run_engine_only(
     passes: int = 1,
 ) -> EngineRun:
     """Raw engine writes then reads of one written O_DIRECT file (a first pass
-    unmeasured), ``passes`` passes of it each; then one XXH3 pass over blocks
-    as their reads complete."""
+    unmeasured), ``passes`` passes of it each."""
     path = directory / f"engine-{engine}.dat"
     n = max(1, total // bs)
     rows = len(region) // bs
@@ -423,21 +420,15 @@ async def run_engine_only(
     eng = await open_io_engine(engine, queue_depth=depth)  # type: ignore[arg-type]
     try:
 
-        async def go(write: bool, hash_fn: Callable[[memoryview], int] | None = None) -> float:
-            """One pass; with ``hash_fn``, each block hashed as its read completes
-            (CPU seconds of the hashing returned)."""
+        async def go(write: bool) -> None:
             call = eng.writev if write else eng.readv
-            blocks = [view[(i % rows) * bs : (i % rows + 1) * bs] for i in range(n)]
-            done = [call(fd, [b], i * bs, alignment=4096) for i, b in enumerate(blocks)]
-            hashing = 0.0
-            for d, block in zip(done, blocks, strict=True):
+            done = [
+                call(fd, [view[(i % rows) * bs : (i % rows + 1) * bs]], i * bs, alignment=4096)
+                for i in range(n)
+            ]
+            for d in done:
                 if await d != bs:
                     raise RuntimeError("short transfer")
-                if hash_fn is not None:
-                    t0 = time.thread_time()
-                    hash_fn(block)
-                    hashing += time.thread_time() - t0
-            return hashing
 
         async def writes() -> None:
             for _ in range(passes):
@@ -450,16 +441,11 @@ async def run_engine_only(
         await go(True)  # the device's first write of each block is not what is compared
         wrote = await timed(passes * n * bs, writes)
         read = await timed(passes * n * bs, reads)
-        # The least a verifying reader pays to hash what it reads: each block
-        # right after the device wrote it (as the tier meets it), the cheaper
-        # implementation. Memory the device wrote hashes slower here than
-        # memory the CPU wrote (run 11 of docs/file-tier.md).
-        arrival = min([await go(False, fn) for fn in (xxhash.xxh3_64_intdigest, _blocks.checksum)])
     finally:
         await eng.aclose()
         os.close(fd)
         os.unlink(path)
-    return EngineRun(wrote, read, arrival / (n * bs / 1e9))
+    return EngineRun(wrote, read)
 
 
 async def recovery_time(directory: Path, blocks: int) -> float:
@@ -697,8 +683,7 @@ def main() -> None:
             )
             print(f"  {engine:8s} {fmt(bs):7s} {picks}")
     print()
-    print("I/O engines alone, depth 32 (one written file, each repeat), and one XXH3 pass")
-    print("over blocks as their reads complete:")
+    print("I/O engines alone, depth 32 (one written file, each repeat):")
     engine_only: dict[tuple[str, str, int], Figure] = {}
     for engine in engines:
         for bs in SIZES:
@@ -707,11 +692,9 @@ def main() -> None:
                 raw[f"engine-only/{engine}/{rw}/{bs}/32"] = figs
                 engine_only[(engine, rw, bs)] = median_figure(figs)
             w, r = engine_only[(engine, "write", bs)], engine_only[(engine, "read", bs)]
-            arrival = statistics.median(x.arrival_hash_s_per_gb for x in bare_runs[(engine, bs)])
             print(
                 f"  {engine:8s} {fmt(bs):7s} write {w.gbps:.2f} GB/s {w.cpu_s_per_gb:.3f} CPU s/GB"
-                f" | read {r.gbps:.2f} GB/s {r.cpu_s_per_gb:.3f} CPU s/GB | XXH3 on arrival "
-                f"{arrival:.3f} CPU s/GB"
+                f" | read {r.gbps:.2f} GB/s {r.cpu_s_per_gb:.3f} CPU s/GB"
             )
     region.close()
 
@@ -808,20 +791,17 @@ def main() -> None:
             io_cpu, source = (min(fio_reads), "fio") if fio_reads else (None, "")
             if io_cpu is None:
                 io_cpu, source = engine_only[(engine, "read", bs)].cpu_s_per_gb, "bare engine"
-            # Each repeat's loads against the least a verifying reader pays
-            # in the same repeat: one XXH3 pass over blocks hashed as their
-            # reads complete (memory the device just wrote, as the tier meets
-            # it), plus the kernel's least read CPU; the median of the
-            # repeats' ratios. Beside it, the ratios with the XXH3 pass over
-            # the rows the tier's loads filled (hashed once the loads were
-            # done) and with the run-start figure (memory the CPU wrote).
+            # Each repeat's loads against one XXH3 pass over the very rows
+            # they filled, hashed right after them with no I/O in flight (the
+            # load of the machine then weighs on both), plus the kernel's least
+            # read CPU; the median of the repeats' ratios. (Not hashed as each
+            # read completes: the completions of the reads still in flight
+            # then land on the hashing thread, and fio's CPU counts them
+            # already; run 11.) The run-start XXH3 figure's ratio is printed
+            # beside it.
             reads = raw[f"{engine}/read/{bs}/32"]
-            on_arrival = [x.arrival_hash_s_per_gb for x in bare_runs[(engine, bs)]]
-            rows_after = read_hash[(engine, bs, 32)]
-            per = [f.cpu_s_per_gb / (h + io_cpu) for f, h in zip(reads, on_arrival, strict=True)]
-            per_rows = [
-                f.cpu_s_per_gb / (h + io_cpu) for f, h in zip(reads, rows_after, strict=True)
-            ]
+            hashes = read_hash[(engine, bs, 32)]
+            per = [f.cpu_s_per_gb / (h + io_cpu) for f, h in zip(reads, hashes, strict=True)]
             paired = statistics.median(per)
             cpu = tier_rows[(engine, "read", bs, 32)].cpu_s_per_gb
             start_floor = 1 / xxh + io_cpu
@@ -832,11 +812,9 @@ def main() -> None:
                 paired <= 1.2,
                 f"verified read CPU per GB {fmt(bs)} qd32: {cpu:.3f} = {paired:.2f}x its floor, "
                 f"median of each repeat's ratio ({', '.join(f'{x:.2f}' for x in per)}) (<= 1.2); "
-                f"floor = one XXH3 pass over blocks as their reads complete "
-                f"({statistics.median(on_arrival):.3f}) + {source}'s least read {io_cpu:.3f}; "
-                f"with XXH3 over the rows after the loads ({statistics.median(rows_after):.3f}): "
-                f"{statistics.median(per_rows):.2f}x; with the run-start XXH3 "
-                f"({1 / xxh:.3f}): {cpu / start_floor:.2f}x",
+                f"floor = one XXH3 pass over the rows just read "
+                f"({statistics.median(hashes):.3f}) + {source}'s least read {io_cpu:.3f}; "
+                f"{cpu / start_floor:.2f}x the floor with the run-start XXH3 ({1 / xxh:.3f})",
             )
     report["targets"] = targets
 
