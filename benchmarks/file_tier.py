@@ -479,10 +479,11 @@ def checksum_gbps() -> tuple[float, float]:
     """XXH3-64 GB/s per CPU second of one thread: (the xxhash package, the tier's own C).
 
     Over 256 MiB of written THP memory, in 2 MiB pieces: memory out of the
-    caches, as the tier's blocks are when it verifies them (a block's data
-    comes from the device by DMA; hashing a block right after its own read
-    was measured no faster than after 32 more reads). CPU time of this thread,
-    not wall time: a preempted pass would inflate the floor.
+    caches, as the tier's blocks are when it verifies them (at depth 32 the
+    disk here completes 32 blocks of 2 MiB at once, twice the L3; a burst
+    hashed as it lands costs what this memory does, run 11 of
+    docs/file-tier.md). CPU time of this thread, not wall time: a preempted
+    pass would inflate the floor. Printed beside the per-repeat floor.
     """
     buf = thp_buffer(256 * MiB)
     buf.write(b"\x5a" * len(buf))
