@@ -1386,15 +1386,7 @@ async def _open_chain(
     try:
         for _name, spec in config.chain:
             if isinstance(spec, FileTierConfig):
-                tiers.append(
-                    await FileTier.open(
-                        spec,
-                        layout,
-                        block_bytes=region.row_stride,
-                        alignment=min(region.alignment, spec.buffer_alignment),
-                        io_engine=io_engine,
-                    )
-                )
+                tiers.append(await open_file_tier_below(spec, layout, region, io_engine=io_engine))
             else:
                 tiers.append(await ClusterTier.open(spec, layout, block_bytes=region.row_stride))
     except BaseException:
@@ -1402,6 +1394,32 @@ async def _open_chain(
             await tier.aclose()
         raise
     return tiers
+
+
+async def open_file_tier_below(
+    config: FileTierConfig,
+    layout: KVLayout,
+    region: CPURegion,
+    *,
+    io_engine: IOEngine | None = None,
+    enable_events: bool = False,
+) -> FileTier:
+    """Open a file tier for blocks of ``region``'s rows and register the region with it.
+
+    Blocks move between the region and the file: with the region registered,
+    the kernel pins no pages per request (where it refuses, the I/O goes as
+    before; see :meth:`FileTier.register_memory`).
+    """
+    tier = await FileTier.open(
+        config,
+        layout,
+        block_bytes=region.row_stride,
+        alignment=min(region.alignment, config.buffer_alignment),
+        io_engine=io_engine,
+        enable_events=enable_events,
+    )
+    tier.register_memory([region.buffer()])
+    return tier
 
 
 async def _aclose_quietly(link: _Link) -> None:

@@ -422,6 +422,19 @@ class CPURegion:
         i = self._check_row(i)
         return mv[i * self.row_stride : (i + 1) * self.row_stride]
 
+    def buffer(self) -> memoryview:
+        """Every row as one writable memoryview of ``rows * row_stride`` bytes, zero-copy.
+
+        What a file tier registers with its I/O engine
+        (:meth:`~kvtier.tiers.file_tier.FileTier.register_memory`).
+
+        Raises
+        ------
+        ClosedError
+            The region is closed.
+        """
+        return self._view()[: self.rows * self.row_stride]
+
     def row_address(self, i: int) -> int:
         """Address of row ``i``: a multiple of :attr:`alignment`.
 

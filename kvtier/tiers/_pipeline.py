@@ -137,6 +137,11 @@ class _HeaderPages:
         del self._free[-count:]
         return taken
 
+    @property
+    def memory(self) -> mmap.mmap:
+        """The mapping of every page (to register with the I/O engine)."""
+        return self._map
+
     def give_many(self, numbers: list[int]) -> None:
         self._free.extend(numbers)
 
@@ -244,6 +249,11 @@ class Pipeline:
         """Seconds during which stores (or loads) were in flight, up to now."""
         extra = time.perf_counter() - self._busy_since[store] if self._busy[store] else 0.0
         return self._busy_seconds[store] + extra
+
+    @property
+    def header_memory(self) -> mmap.mmap:
+        """The header pages' mapping, registered with the engine beside the caller's rows."""
+        return self._pages.memory
 
     def close(self) -> None:
         """Release the header pages (once nothing is in flight)."""

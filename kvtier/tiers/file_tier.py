@@ -76,6 +76,7 @@ from kvtier.tiers._root import data_cost, lock_root, metadata_estimate
 from kvtier.tiers._slots import SlotFile, probe_range
 from kvtier.tiers._worker import Worker
 from kvtier.tiers.base import LoadResult, StoreResult, Tier
+from kvtier.transfer._ring import MAX_FIXED_BYTES
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import (
     QUEUE_DEPTHS,
@@ -162,6 +163,9 @@ class FileTierStatistics:
     """Time the slot scan and rebuild took at open."""
     torn_slots: int
     """Slots found at open with an invalid header (an interrupted write), zeroed."""
+    registered_bytes: int = 0
+    """Memory registered with the I/O engine by :meth:`FileTier.register_memory`
+    (the caller's buffers and the tier's header pages); 0 when none is."""
 
 
 class FileTier(Tier):
@@ -211,6 +215,7 @@ class FileTier(Tier):
         self._config = config
         self._engine = engine
         self._owns_engine = owns_engine
+        self._registered = 0
         self._manager = manager
         self._closed = False
         self._idle: asyncio.Future[None] | None = None
@@ -547,7 +552,50 @@ class FileTier(Tier):
             recovered_blocks=recovery.recovered,
             recovery_seconds=recovery.seconds,
             torn_slots=recovery.torn,
+            registered_bytes=self._registered,
         )
+
+    def register_memory(self, buffers: Sequence[object]) -> int:
+        """Register the memory blocks are stored from and loaded into (the CPU region).
+
+        A block whose buffer lies in registered memory is read or written
+        without the kernel pinning its pages for each request (io_uring's
+        fixed buffers; the tier's header pages are registered with it). At
+        2 MiB blocks that is most of the kernel's CPU per block. Call it once
+        the memory is mapped; a later call replaces the buffers, an empty
+        list unregisters them. Blocks elsewhere are read and written as
+        before.
+
+        Parameters
+        ----------
+        buffers
+            C-contiguous buffers, typically one: the whole CPU region. Each
+            stays exported (an ``mmap`` cannot be closed) until the tier is
+            closed or the buffers are replaced.
+
+        Returns
+        -------
+        int
+            Bytes registered, header pages included: 0 with the thread-pool
+            engine, or when the kernel refused (``RLIMIT_MEMLOCK`` below the
+            size, without ``CAP_IPC_LOCK``); the I/O then pins pages per
+            request, as without this call.
+        """
+        self._check_open()
+        if not buffers:
+            self._engine.unregister_memory(self)
+            self._registered = 0
+            return 0
+        # Pieces of whole blocks (the kernel takes at most 1 GiB per buffer):
+        # a row that straddled two would go as before, pages pinned per request.
+        step = max(1, MAX_FIXED_BYTES // self._slots.block_bytes) * self._slots.block_bytes
+        pieces: list[object] = [self._pipeline.header_memory]
+        for b in buffers:
+            v = b if isinstance(b, memoryview) else memoryview(b)  # type: ignore[arg-type]
+            v = v if v.format == "B" and v.ndim == 1 else v.cast("B")
+            pieces += [v[i : i + step] for i in range(0, v.nbytes, step)]
+        self._registered = self._engine.register_memory(self, pieces)
+        return self._registered
 
     # -- store --------------------------------------------------------------------------
 
@@ -637,6 +685,9 @@ class FileTier(Tier):
         self._worker.close()
         if self._owns_engine:
             await self._engine.aclose()
+        else:
+            self._engine.unregister_memory(self)
+        self._registered = 0
         self._pipeline.close()
         self._slots.close()
 

@@ -98,18 +98,79 @@ check_rw(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 #define SQE_BYTES 64
 #define CQE_BYTES 16
 #define IOVEC_BYTES 16
+#define OP_READV 1
+#define OP_WRITEV 2
+#define OP_READ_FIXED 4
+#define OP_WRITE_FIXED 5
+/* A tag's low word: bit 31 marks one part of a request sent as two fixed-buffer
+   entries, bit 30 which part; the index is below. */
+#define TAG_SPLIT 0x80000000u
+#define TAG_PART 0x40000000u
+#define TAG_INDEX 0x3FFFFFFFu
+/* A split request's record in its batch's accumulator: the first part's length,
+   each part's result, and how many parts are still out. */
+#define ACC_BYTES 32
+
+/* The registered buffer holding [addr, addr + len) whole, from `table` (sorted
+   (start, end, index) triples of uint64); -1 when none does. */
+static long
+fixed_index(const uint64_t *table, Py_ssize_t entries, uint64_t addr, uint64_t len)
+{
+    Py_ssize_t lo = 0, hi = entries;
+    while (lo < hi) { /* the last entry starting at or before addr */
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (table[3 * mid] <= addr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == 0)
+        return -1;
+    const uint64_t *e = table + 3 * (lo - 1);
+    return addr + len <= e[1] && addr + len >= addr ? (long)e[2] : -1;
+}
+
+static unsigned char *
+put_sqe(unsigned char *sqes, unsigned long mask, unsigned long tail, long opcode, int32_t fd,
+        uint64_t off, uint64_t addr, uint32_t len, uint64_t tag, long buf_index)
+{
+    /* struct io_uring_sqe: opcode flags ioprio fd off addr len rw_flags user_data buf_index. */
+    unsigned char *sqe = sqes + (tail & mask) * SQE_BYTES;
+    memset(sqe, 0, SQE_BYTES);
+    sqe[0] = (unsigned char)opcode;
+    memcpy(sqe + 4, &fd, 4);
+    memcpy(sqe + 8, &off, 8);
+    memcpy(sqe + 16, &addr, 8);
+    memcpy(sqe + 24, &len, 4);
+    memcpy(sqe + 32, &tag, 8);
+    if (buf_index >= 0) {
+        uint16_t bi = (uint16_t)buf_index;
+        memcpy(sqe + 40, &bi, 2);
+    }
+    return sqe;
+}
 
 /* prep_rw(sqes, mask, tail, opcode, fd, iovecs, stride, requests, offsets, start,
-   count, batch) -> int: write the iovecs and submission entries of
+   count, batch, table, acc) -> int: write the iovecs and submission entries of
    requests[start:start + count] (each a list of at most `stride` buffers, already
-   checked by check_rw) at ring positions tail, tail + 1, ...; request i's iovecs go
-   to iovecs[i * stride] and its tag is batch << 32 | i. Returns the new tail. The
-   buffers stay exported by the caller's objects (the requests list) until reaped. */
+   checked by check_rw) from ring position `tail` on; request i's iovecs go to
+   iovecs[i * stride] and its tag is batch << 32 | i. Returns the new tail. The
+   buffers stay exported by the caller's objects (the requests list) until reaped.
+
+   `table` (bytes, or None) lists the registered buffers as sorted (start, end,
+   index) uint64 triples. A request of one buffer inside one of them becomes one
+   READ_FIXED / WRITE_FIXED entry; a request of two, each inside one, becomes two
+   such entries at consecutive file offsets (tags marked TAG_SPLIT, the second
+   TAG_PART too), whose record in `acc` (a bytearray of ACC_BYTES per request of
+   the batch) reap() fills until both are in. Any other request is one vectored
+   entry. The caller leaves room for two entries per request. */
 static PyObject *
 prep_rw(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 12 || !PyList_Check(args[7]) || !PyList_Check(args[8])) {
-        PyErr_SetString(PyExc_TypeError, "prep_rw() takes 12 arguments");
+    if (nargs != 14 || !PyList_Check(args[7]) || !PyList_Check(args[8]) ||
+        (args[12] != Py_None && !PyBytes_Check(args[12])) ||
+        (args[13] != Py_None && !PyByteArray_Check(args[13]))) {
+        PyErr_SetString(PyExc_TypeError, "prep_rw() takes 14 arguments");
         return NULL;
     }
     unsigned long mask = PyLong_AsUnsignedLong(args[1]);
@@ -124,8 +185,23 @@ prep_rw(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     PyObject *requests = args[7], *offsets = args[8];
     Py_ssize_t n = PyList_GET_SIZE(requests);
+    const uint64_t *table = NULL;
+    Py_ssize_t entries = 0;
+    if (args[12] != Py_None) {
+        table = (const uint64_t *)PyBytes_AS_STRING(args[12]);
+        entries = PyBytes_GET_SIZE(args[12]) / 24;
+    }
+    unsigned char *acc = NULL;
+    if (args[13] != Py_None) {
+        if (PyByteArray_GET_SIZE(args[13]) < n * ACC_BYTES) {
+            PyErr_SetString(PyExc_ValueError, "prep_rw: accumulator too small");
+            return NULL;
+        }
+        acc = (unsigned char *)PyByteArray_AS_STRING(args[13]);
+    }
+    long fixed_op = opcode == OP_READV ? OP_READ_FIXED : opcode == OP_WRITEV ? OP_WRITE_FIXED : -1;
     if (start < 0 || count < 0 || start + count > n || PyList_GET_SIZE(offsets) != n ||
-        stride < 1 || count > (Py_ssize_t)mask + 1) {
+        stride < 1 || 2 * count > (Py_ssize_t)mask + 1 || n > (Py_ssize_t)TAG_INDEX) {
         PyErr_SetString(PyExc_ValueError, "prep_rw: requests out of range");
         return NULL;
     }
@@ -137,6 +213,7 @@ prep_rw(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *out = NULL;
+    int32_t fd32 = (int32_t)fd;
     for (Py_ssize_t i = start; i < start + count; i++) {
         PyObject *req = PyList_GET_ITEM(requests, i);
         if (!PyList_Check(req) || PyList_GET_SIZE(req) > stride || PyList_GET_SIZE(req) == 0) {
@@ -148,28 +225,50 @@ prep_rw(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
             goto done;
         unsigned char *vec = (unsigned char *)iov.buf + i * stride * IOVEC_BYTES;
         Py_ssize_t nvec = PyList_GET_SIZE(req);
+        uint64_t base[2] = {0, 0}, len[2] = {0, 0};
         for (Py_ssize_t j = 0; j < nvec; j++) {
             Py_buffer v;
             if (PyObject_GetBuffer(PyList_GET_ITEM(req, j), &v, PyBUF_SIMPLE) < 0)
                 goto done;
-            uint64_t base = (uint64_t)(uintptr_t)v.buf, len = (uint64_t)v.len;
+            uint64_t b = (uint64_t)(uintptr_t)v.buf, l = (uint64_t)v.len;
             PyBuffer_Release(&v);
-            memcpy(vec + j * IOVEC_BYTES, &base, 8);
-            memcpy(vec + j * IOVEC_BYTES + 8, &len, 8);
+            memcpy(vec + j * IOVEC_BYTES, &b, 8);
+            memcpy(vec + j * IOVEC_BYTES + 8, &l, 8);
+            if (j < 2) {
+                base[j] = b;
+                len[j] = l;
+            }
         }
-        /* struct io_uring_sqe: opcode flags ioprio fd off addr len rw_flags user_data. */
-        unsigned char *sqe = (unsigned char *)sqes.buf + (tail & mask) * SQE_BYTES;
-        memset(sqe, 0, SQE_BYTES);
-        sqe[0] = (unsigned char)opcode;
-        int32_t fd32 = (int32_t)fd;
-        uint64_t addr = (uint64_t)(uintptr_t)vec, tag = ((uint64_t)batch << 32) | (uint64_t)i;
-        uint32_t len32 = (uint32_t)nvec;
-        memcpy(sqe + 4, &fd32, 4);
-        memcpy(sqe + 8, &off, 8);
-        memcpy(sqe + 16, &addr, 8);
-        memcpy(sqe + 24, &len32, 4);
-        memcpy(sqe + 32, &tag, 8);
-        tail = (tail + 1) & 0xFFFFFFFFul;
+        uint64_t tag = ((uint64_t)batch << 32) | (uint64_t)i;
+        long fixed[2] = {-1, -1};
+        if (table != NULL && fixed_op >= 0 && (nvec == 1 || (nvec == 2 && acc != NULL)) &&
+            len[0] <= UINT32_MAX && len[1] <= UINT32_MAX) {
+            fixed[0] = fixed_index(table, entries, base[0], len[0]);
+            if (nvec == 2 && fixed[0] >= 0)
+                fixed[1] = fixed_index(table, entries, base[1], len[1]);
+        }
+        if (nvec == 1 && fixed[0] >= 0) {
+            put_sqe(sqes.buf, mask, tail, fixed_op, fd32, off, base[0], (uint32_t)len[0], tag, fixed[0]);
+            tail = (tail + 1) & 0xFFFFFFFFul;
+        } else if (nvec == 2 && fixed[0] >= 0 && fixed[1] >= 0) {
+            unsigned char *rec = acc + i * ACC_BYTES;
+            int64_t zero = 0, first = (int64_t)len[0];
+            int32_t out_parts = 2;
+            memcpy(rec, &first, 8);
+            memcpy(rec + 8, &zero, 8);
+            memcpy(rec + 16, &zero, 8);
+            memcpy(rec + 24, &out_parts, 4);
+            tag |= TAG_SPLIT;
+            put_sqe(sqes.buf, mask, tail, fixed_op, fd32, off, base[0], (uint32_t)len[0], tag, fixed[0]);
+            tail = (tail + 1) & 0xFFFFFFFFul;
+            put_sqe(sqes.buf, mask, tail, fixed_op, fd32, off + len[0], base[1], (uint32_t)len[1],
+                    tag | TAG_PART, fixed[1]);
+            tail = (tail + 1) & 0xFFFFFFFFul;
+        } else {
+            put_sqe(sqes.buf, mask, tail, opcode, fd32, off, (uint64_t)(uintptr_t)vec,
+                    (uint32_t)nvec, tag, -1);
+            tail = (tail + 1) & 0xFFFFFFFFul;
+        }
     }
     out = PyLong_FromUnsignedLong(tail);
 done:
@@ -193,26 +292,56 @@ end_run(PyObject *out, unsigned long batch, PyObject **outcomes, long long moved
     return rc;
 }
 
-/* reap(cq, head_at, tail_at, mask, cqes_at) -> list[tuple[int, list, int, int]]: every
-   completion posted so far, oldest first, released to the kernel, in runs of one
-   batch (tag >> 32): (batch, outcomes, moved, failed), where outcomes holds
-   (tag & 0xffffffff, result, None) per completion (the shape a submit_many
-   callback takes), moved the sum of the results that are not negative and failed
-   the count of those that are (-errno, for the caller to turn into errors).
-   Consecutive completions of one batch share a run; a batch may have several
-   runs in one reap. `cq` is the completion ring's mapping; the other arguments
-   are byte offsets into it and the ring's mask. The tail is loaded with acquire
-   order, so the entries read after it are the kernel's (on any CPU). */
+/* One part of a split request is in: its record in the batch's accumulator takes
+   the result; once both are, the request's result (what one vectored transfer
+   would say: the first part's error or short count, else the second's error,
+   else the bytes of both) goes to *res and 1 is returned; 0 while one is out. */
+static int
+settle_part(unsigned char *rec, int part, int32_t got, int32_t *res)
+{
+    int64_t first, r0, r1, value = got;
+    int32_t out_parts;
+    memcpy(rec + (part ? 16 : 8), &value, 8);
+    memcpy(&out_parts, rec + 24, 4);
+    out_parts--;
+    memcpy(rec + 24, &out_parts, 4);
+    if (out_parts > 0)
+        return 0;
+    memcpy(&first, rec, 8);
+    memcpy(&r0, rec + 8, 8);
+    memcpy(&r1, rec + 16, 8);
+    if (r0 < 0 || r0 < first)
+        *res = (int32_t)r0;
+    else if (r1 < 0)
+        *res = (int32_t)r1;
+    else
+        *res = (int32_t)(r0 + r1 > INT32_MAX ? INT32_MAX : r0 + r1);
+    return 1;
+}
+
+/* reap(cq, head_at, tail_at, mask, cqes_at, split) -> list[tuple[int, list, int, int]]:
+   every completion posted so far, oldest first, released to the kernel, in runs of
+   one batch (tag >> 32): (batch, outcomes, moved, failed), where outcomes holds
+   (index, result, None) per request completed (the shape a submit_many callback
+   takes), moved the sum of the results that are not negative and failed the count
+   of those that are (-errno, for the caller to turn into errors). Consecutive
+   completions of one batch share a run; a batch may have several runs in one reap.
+   A request prep_rw split in two (tag bit TAG_SPLIT) is reported once, when its
+   second part is in, from its record in split[batch] (a dict of accumulators, or
+   None when no batch is split). `cq` is the completion ring's mapping; the other
+   arguments are byte offsets into it and the ring's mask. The tail is loaded with
+   acquire order, so the entries read after it are the kernel's (on any CPU). */
 static PyObject *
 reap(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "reap() takes 5 arguments");
+    if (nargs != 6 || (args[5] != Py_None && !PyDict_Check(args[5]))) {
+        PyErr_SetString(PyExc_TypeError, "reap() takes 6 arguments");
         return NULL;
     }
     Py_ssize_t head_at = PyLong_AsSsize_t(args[1]), tail_at = PyLong_AsSsize_t(args[2]);
     unsigned long mask = PyLong_AsUnsignedLong(args[3]);
     Py_ssize_t cqes_at = PyLong_AsSsize_t(args[4]);
+    PyObject *split = args[5] == Py_None ? NULL : args[5];
     if (PyErr_Occurred())
         return NULL;
     Py_buffer cq;
@@ -230,6 +359,9 @@ reap(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     unsigned long batch = 0;
     long long moved = 0;
     long failed = 0;
+    /* The accumulator of the last split batch seen, and which batch it is. */
+    PyObject *acc = NULL;
+    unsigned long acc_batch = 0;
     if (out == NULL)
         goto done;
     uint32_t head = *headp;
@@ -244,6 +376,35 @@ reap(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
             memcpy(&tag, cqe, 8);
             memcpy(&res, cqe + 8, 4);
             unsigned long this_batch = (unsigned long)(tag >> 32);
+            uint32_t low = (uint32_t)tag;
+            unsigned long index = low;
+            if (low & TAG_SPLIT) {
+                index = low & TAG_INDEX;
+                if (acc == NULL || acc_batch != this_batch) {
+                    PyObject *key = PyLong_FromUnsignedLong(this_batch);
+                    if (key == NULL) {
+                        Py_CLEAR(out);
+                        goto done;
+                    }
+                    acc = split ? PyDict_GetItemWithError(split, key) : NULL;
+                    Py_DECREF(key);
+                    if (acc == NULL && PyErr_Occurred()) {
+                        Py_CLEAR(out);
+                        goto done;
+                    }
+                    acc_batch = this_batch;
+                }
+                if (acc != NULL && PyByteArray_Check(acc) &&
+                    (Py_ssize_t)(index + 1) * ACC_BYTES <= PyByteArray_GET_SIZE(acc)) {
+                    unsigned char *rec = (unsigned char *)PyByteArray_AS_STRING(acc) + index * ACC_BYTES;
+                    if (!settle_part(rec, (low & TAG_PART) != 0, res, &res)) {
+                        head++;
+                        __atomic_store_n(headp, head, __ATOMIC_RELEASE);
+                        continue;
+                    }
+                }
+                /* (No record: a batch already forgotten, reported as it came.) */
+            }
             if (outcomes == NULL || this_batch != batch) {
                 if (end_run(out, batch, &outcomes, moved, failed) < 0 ||
                     (outcomes = PyList_New(0)) == NULL) {
@@ -258,7 +419,7 @@ reap(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
                 failed++;
             else
                 moved += res;
-            PyObject *item = Py_BuildValue("(kiO)", (unsigned long)(tag & 0xFFFFFFFFu), (int)res, Py_None);
+            PyObject *item = Py_BuildValue("(kiO)", index, (int)res, Py_None);
             if (item == NULL || PyList_Append(outcomes, item) < 0) {
                 Py_XDECREF(item);
                 Py_CLEAR(out);
@@ -284,9 +445,9 @@ static PyMethodDef methods[] = {
      "check_rw(requests, offsets, alignment, writable) -> int: -1, or the first bad request."},
     {"prep_rw", (PyCFunction)(void (*)(void))prep_rw, METH_FASTCALL,
      "prep_rw(sqes, mask, tail, opcode, fd, iovecs, stride, requests, offsets, start, count, "
-     "batch) -> int: write io_uring entries for a run of requests; the new tail."},
+     "batch, table, acc) -> int: write io_uring entries for a run of requests; the new tail."},
     {"reap", (PyCFunction)(void (*)(void))reap, METH_FASTCALL,
-     "reap(cq, head_at, tail_at, mask, cqes_at) -> list of (batch, outcomes, moved, failed): "
+     "reap(cq, head_at, tail_at, mask, cqes_at, split) -> list of (batch, outcomes, moved, failed): "
      "the completions posted, in runs of one batch."},
     {NULL, NULL, 0, NULL},
 };

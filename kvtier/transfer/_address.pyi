@@ -17,8 +17,16 @@ def prep_rw(
     start: int,
     count: int,
     batch: int,
+    table: bytes | None,
+    acc: bytearray | None,
     /,
 ) -> int: ...
 def reap(
-    cq: object, head_at: int, tail_at: int, mask: int, cqes_at: int, /
+    cq: object,
+    head_at: int,
+    tail_at: int,
+    mask: int,
+    cqes_at: int,
+    split: dict[int, bytearray] | None,
+    /,
 ) -> list[tuple[int, list[tuple[int, int, BaseException | None]], int, int]]: ...

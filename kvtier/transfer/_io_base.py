@@ -87,6 +87,9 @@ class IOEngineStatistics:
     """Bytes reported read by completed reads."""
     bytes_written: int
     """Bytes reported written by completed writes."""
+    registered_bytes: int = 0
+    """Memory registered with the kernel for transfers that pin no pages per
+    request (:meth:`IOEngine.register_memory`); 0 when none is."""
 
 
 def _buffer_address_py(buf: memoryview) -> int:
@@ -196,7 +199,46 @@ class IOEngine(abc.ABC):
             submit_calls=self._submit_calls,
             bytes_read=self._bytes_read,
             bytes_written=self._bytes_written,
+            registered_bytes=self._registered_bytes(),
         )
+
+    def _registered_bytes(self) -> int:
+        return 0
+
+    # -- registered memory --------------------------------------------------------------
+
+    def register_memory(self, owner: object, buffers: Sequence[object]) -> int:
+        """Register ``buffers`` with the kernel for transfers that pin no pages per request.
+
+        A request whose buffers all lie in registered memory skips the kernel's
+        per-request page pinning (io_uring's fixed buffers): at 2 MiB per
+        request fio reads with about a quarter of the CPU. Buffers are grouped
+        by ``owner``; a later call for the same owner replaces its buffers.
+
+        Parameters
+        ----------
+        owner
+            Who registers (compared by identity), for :meth:`unregister_memory`.
+        buffers
+            C-contiguous buffers (a CPU region, page-aligned header pages);
+            each stays exported, so it cannot be unmapped, until unregistered.
+
+        Returns
+        -------
+        int
+            Bytes registered for ``owner``: 0 where the engine has no such
+            transfers (the thread pool), or the kernel refused (``RLIMIT_MEMLOCK``
+            too low, memory it will not pin); the I/O then goes as before.
+        """
+        self._check_open()
+        return 0
+
+    def unregister_memory(self, owner: object) -> None:
+        """Drop ``owner``'s registered buffers (a no-op when it has none).
+
+        Requests in flight keep the pages they use until they finish.
+        """
+        return None
 
     @abc.abstractmethod
     def _occupancy(self) -> tuple[int, int]:

@@ -41,7 +41,17 @@ try:
 except ImportError:  # not built (no C compiler at install): the Python below
     _native = None  # type: ignore[assignment]
 
-__all__ = ["OP_FSYNC", "OP_NOP", "OP_READV", "OP_WRITEV", "Ring"]
+__all__ = [
+    "ACC_BYTES",
+    "FIXED_CAPABLE",
+    "MAX_FIXED_BUFFERS",
+    "MAX_FIXED_BYTES",
+    "OP_FSYNC",
+    "OP_NOP",
+    "OP_READV",
+    "OP_WRITEV",
+    "Ring",
+]
 
 # The io_uring system calls have these numbers on every architecture (they came
 # after the syscall tables were unified, in Linux 5.1).
@@ -49,9 +59,20 @@ _SYS_SETUP, _SYS_ENTER, _SYS_REGISTER = 425, 426, 427
 
 OP_NOP, OP_READV, OP_WRITEV, OP_FSYNC = 0, 1, 2, 3
 _ENTER_GETEVENTS = 1
+_REGISTER_BUFFERS, _UNREGISTER_BUFFERS = 0, 1
 _REGISTER_EVENTFD, _UNREGISTER_EVENTFD = 4, 5
+MAX_FIXED_BYTES = 1 << 30
+"""The most one registered buffer may span (the kernel refuses more, EFAULT)."""
+MAX_FIXED_BUFFERS = 1 << 14
+"""The most buffers one ring may have registered (``IORING_MAX_REG_BUFFERS``)."""
 _FEAT_SINGLE_MMAP = 1
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
+
+FIXED_CAPABLE = _native is not None
+"""Whether fixed buffers can be used (:meth:`Ring.prep_rw` needs the compiled helper)."""
+
+ACC_BYTES = 32
+"""Bytes per request of the accumulator a batch of split requests needs (see prep_rw)."""
 
 _SQE = struct.Struct("<BBHiQQIIQ24x")  # opcode flags ioprio fd off addr len rw_flags user_data
 _CQE = struct.Struct("<QiI")  # user_data res flags
@@ -151,6 +172,8 @@ class Ring:
         )
         self._maps: list[mmap.mmap] = []
         self._views: list[memoryview] = []
+        self.fixed = 0
+        """Buffers registered (:meth:`register_buffers`)."""
         try:
             self._map_rings(params)
         except BaseException:
@@ -220,13 +243,22 @@ class Ring:
         start: int,
         count: int,
         batch: int,
+        table: bytes | None = None,
+        acc: bytearray | None = None,
     ) -> None:
         """Write the entries of ``requests[start:start + count]`` (checked, contiguous buffers).
 
         Request ``i``'s ``struct iovec`` array is written at ``iovecs[i * stride * 16:]``
         and its tag is ``batch << 32 | i`` (see :meth:`reap_runs`). The caller
-        checks :meth:`space` first and keeps ``iovecs`` and the buffers alive
-        until the requests are reaped.
+        checks that :meth:`space` holds two entries per request and keeps
+        ``iovecs`` and the buffers alive until the requests are reaped.
+
+        ``table`` (from :meth:`fixed_table`) lists the registered buffers: a
+        request whose one or two buffers each lie in one of them is sent as
+        one fixed-buffer entry per buffer (the kernel then pins no pages for
+        it); a request of two needs ``acc`` (:data:`ACC_BYTES` per request of
+        the batch, passed to :meth:`reap_runs` in ``split``), where its two
+        results meet. Without the compiled helper ``table`` must be None.
         """
         if _native is not None:
             self._tail = _native.prep_rw(
@@ -242,8 +274,12 @@ class Ring:
                 start,
                 count,
                 batch,
+                table,
+                acc,
             )
             return
+        if table is not None:
+            raise RuntimeError("fixed buffers need the compiled helper kvtier.transfer._address")
         base = _address_of(iovecs)
         for i in range(start, start + count):
             at = i * stride * 16
@@ -316,7 +352,9 @@ class Ring:
                 words[self._cq_head] = head
                 yield tag, res
 
-    def reap_runs(self) -> list[tuple[int, list[tuple[int, int, BaseException | None]], int, int]]:
+    def reap_runs(
+        self, split: dict[int, bytearray] | None = None
+    ) -> list[tuple[int, list[tuple[int, int, BaseException | None]], int, int]]:
         """:meth:`reap` in one call, in runs of one batch (tags as :meth:`prep_rw` makes them).
 
         Each run is ``(batch, outcomes, moved, failed)``: ``outcomes`` holds
@@ -324,7 +362,9 @@ class Ring:
         shape a ``submit_many`` callback takes, so a run without failures is
         handed on as it is), ``moved`` the sum of the results that are not
         negative, ``failed`` how many are negative (``-errno``). A batch may
-        have several runs in one reap.
+        have several runs in one reap. A request :meth:`prep_rw` split in two
+        is reported once, when both parts are in (``split`` maps its batch to
+        its ``acc``), with the result one vectored transfer would have had.
         """
         if _native is not None:
             return _native.reap(
@@ -333,6 +373,7 @@ class Ring:
                 self._cq_tail * 4,
                 self._cq_mask,
                 self._cqes,
+                split,
             )
         runs: list[tuple[int, list[tuple[int, int, BaseException | None]], int, int]] = []
         for tag, res in self.reap():
@@ -364,6 +405,61 @@ class Ring:
             "io_uring_register(EVENTFD)",
         )
 
+    def register_buffers(self, spans: list[tuple[int, int]]) -> None:
+        """Register ``(address, length)`` spans as the ring's fixed buffers 0, 1, ...
+
+        Replaces any registered before. The kernel pins their pages (counted
+        against ``RLIMIT_MEMLOCK`` without ``CAP_IPC_LOCK``) until
+        :meth:`unregister_buffers` or :meth:`close`; requests already in flight
+        keep the pages they use. An empty list only unregisters.
+
+        Raises
+        ------
+        OSError
+            ENOMEM (the memlock limit), EFAULT (a span over 1 GiB or not
+            mapped), EOPNOTSUPP (memory the kernel will not pin for long), ...
+        """
+        self.unregister_buffers()
+        if not spans:
+            return
+        iov = (ctypes.c_uint64 * (2 * len(spans)))()
+        for i, (addr, length) in enumerate(spans):
+            iov[2 * i], iov[2 * i + 1] = addr, length
+        _check(
+            _syscall(
+                ctypes.c_long(_SYS_REGISTER),
+                ctypes.c_long(self.fd),
+                ctypes.c_long(_REGISTER_BUFFERS),
+                ctypes.byref(iov),
+                ctypes.c_long(len(spans)),
+            ),
+            "io_uring_register(BUFFERS)",
+        )
+        self.fixed = len(spans)
+
+    def unregister_buffers(self) -> None:
+        """Drop the registered buffers, if any."""
+        if not self.fixed:
+            return
+        self.fixed = 0
+        _check(
+            _syscall(
+                ctypes.c_long(_SYS_REGISTER),
+                ctypes.c_long(self.fd),
+                ctypes.c_long(_UNREGISTER_BUFFERS),
+                None,
+                ctypes.c_long(0),
+            ),
+            "io_uring_register(UNREGISTER_BUFFERS)",
+        )
+
+    @staticmethod
+    def fixed_table(spans: list[tuple[int, int]]) -> bytes:
+        """The lookup :meth:`prep_rw` takes for buffers registered as ``spans``:
+        ``(start, end, index)`` triples, sorted by start."""
+        rows = sorted((addr, addr + length, i) for i, (addr, length) in enumerate(spans))
+        return struct.pack(f"<{3 * len(rows)}Q", *(v for row in rows for v in row))
+
     def unregister_eventfd(self) -> None:
         """Stop signalling the eventfd."""
         _check(
@@ -385,6 +481,7 @@ class Ring:
         for m in self._maps:
             m.close()
         self._maps.clear()
+        self.fixed = 0
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

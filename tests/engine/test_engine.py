@@ -26,6 +26,7 @@ from kvtier import (
 )
 from kvtier.engine import Engine
 from kvtier.testing.faults import FaultPlan, FaultyIOEngine
+from kvtier.transfer import _ring
 from kvtier.transfer.io_engine import IOEngine, open_io_engine
 
 NUM_BLOCKS = 96
@@ -322,6 +323,11 @@ async def test_restart_finds_blocks(tmp_path: Path) -> None:
             await asyncio.sleep(0.01)  # recovery may run in the background
         assert await engine.load(keys, list(range(20, 25))) == 5
         assert same(snapshot(kv, list(range(20, 25))), want)
+        st = engine.statistics().file
+        assert st is not None
+        # The loads went into the CPU region, registered with io_uring where it runs.
+        uses_fixed = st.io_engine == "io_uring" and _ring.FIXED_CAPABLE
+        assert (st.registered_bytes > 0) == uses_fixed
 
 
 async def test_restart_with_background_recovery(tmp_path: Path) -> None:

@@ -96,6 +96,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 from vllm.v1.kv_offload.config import OffloadingConfig  # type: ignore[import-not-found]
 
 from kvtier.config import KVTierConfig
+from kvtier.engine import open_file_tier_below
 from kvtier.errors import BusyError, ConfigurationError, KVTierError, LayoutError
 from kvtier.integrations.vllm.settings import VLLMSettings, parse_extra_config
 from kvtier.layout import KVLayout, TensorSpec
@@ -456,13 +457,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             cfg = settings.config.file_tier
             if cfg is not None:
                 file_tier = loop.run(
-                    FileTier.open(
-                        cfg,
-                        layout,
-                        block_bytes=region.row_stride,
-                        alignment=min(region.alignment, cfg.buffer_alignment),
-                        enable_events=enable_events,
-                    )
+                    open_file_tier_below(cfg, layout, region, enable_events=enable_events)
                 )
         except BaseException:
             loop.stop()
