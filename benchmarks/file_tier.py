@@ -72,7 +72,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -85,6 +85,7 @@ from kvtier.config import FileTierConfig
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.tiers import _blocks
 from kvtier.tiers.file_tier import FileTier
+from kvtier.transfer._ring import SPLIT_MIN
 from kvtier.transfer.io_engine import open_io_engine, probe_io_uring
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -254,6 +255,24 @@ def device_irq_cpus(directory: Path) -> set[int]:
     return cpus
 
 
+READ_CPUS: list[int] | None = None
+"""Where reads run (``--cpus``); None: wherever the scheduler puts them."""
+
+
+@contextlib.contextmanager
+def reading() -> Iterator[None]:
+    """Run this thread (the event loop's, and fio started meanwhile) on READ_CPUS."""
+    if READ_CPUS is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, READ_CPUS)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def pick_cpus(choice: str, directory: Path) -> tuple[list[int], str]:
     """The CPUs to run on for ``--cpus`` (set for this process and fio), and why."""
     allowed = sorted(os.sched_getaffinity(0))
@@ -271,7 +290,7 @@ def pick_cpus(choice: str, directory: Path) -> tuple[list[int], str]:
         return allowed, f"every CPU takes the disk's interrupts ({sorted(irq)}), so all"
     return rest, (
         f"CPU {','.join(map(str, sorted(irq)))} took the disk's interrupts in a probe read; "
-        "fio and kvtier both run elsewhere, so that neither is charged for them"
+        "fio's and kvtier's reads run elsewhere, so that neither is charged for them"
     )
 
 
@@ -459,7 +478,8 @@ async def run_tier(
 
         fill = await timed(n * bs, lambda: store(sets[0]))
         steady = await timed(passes * n * bs, overwrite)
-        read = await timed(passes * n * bs, load)
+        with reading():
+            read = await timed(passes * n * bs, load)
         hashed = hash_seconds(buffers[:rows]) / (rows * bs / 1e9)
     finally:
         await tier.aclose()
@@ -527,7 +547,8 @@ async def run_engine_only(
 
         await go(True)  # the device's first write of each block is not what is compared
         wrote = await timed(passes * n * bs, writes)
-        read = await timed(passes * n * bs, reads)
+        with reading():
+            read = await timed(passes * n * bs, reads)
     finally:
         await eng.aclose()
         os.close(fd)
@@ -609,8 +630,8 @@ def main() -> None:
     parser.add_argument(
         "--cpus",
         default="auto",
-        help="'auto' (default): the CPUs that do not take the disk's interrupts (all when "
-        "every CPU does); 'all'; or a list such as 0,2-3",
+        help="where reads run: 'auto' (default), the CPUs that do not take the disk's "
+        "interrupts (all when every CPU does); 'all'; or a list such as 0,2-3",
     )
     parser.add_argument(
         "--no-register",
@@ -620,9 +641,9 @@ def main() -> None:
     args = parser.parse_args()
     started = time.perf_counter()
     args.dir.mkdir(parents=True, exist_ok=True)
-    # Before any thread starts: threads (the tier's, io_uring's workers) and fio inherit it.
+    global READ_CPUS
     cpus, why = pick_cpus(args.cpus, args.dir)
-    os.sched_setaffinity(0, cpus)
+    READ_CPUS = cpus
     register = not args.no_register
     quick = args.quick
     repeat = args.repeat or (1 if quick else 3)
@@ -640,7 +661,7 @@ def main() -> None:
         f"passes={passes}"
     )
     print(f"cpus: {os.cpu_count()}, load average at start: {os.getloadavg()[0]:.2f}")
-    print(f"running on CPU {','.join(map(str, cpus))}: {why}")
+    print(f"reads (kvtier's and fio's) run on CPU {','.join(map(str, cpus))}: {why}")
     print(
         "rows registered with the I/O engine (io_uring fixed buffers), tier and bare engine: "
         + ("yes" if register else "no (--no-register)")
@@ -692,19 +713,21 @@ def main() -> None:
             for rw in ("write", "read"):
                 for bs in SIZES:
                     for fixed in DEPTHS:
-                        figs = [
-                            run_fio(path, rw, bs, fixed, total, shim, seconds)
-                            for _ in range(repeat)
-                        ]
+                        with reading() if rw == "read" else contextlib.nullcontext():
+                            figs = [
+                                run_fio(path, rw, bs, fixed, total, shim, seconds)
+                                for _ in range(repeat)
+                            ]
                         fio_rows[(rw, bs, fixed)] = median_figure(figs)
                         raw[f"fio/{rw}/{bs}/{fixed}"] = figs
             # Reads from registered buffers too: the kernel's least read CPU.
             for bs in SIZES:
                 for fixed in DEPTHS:
-                    figs = [
-                        run_fio(path, "read", bs, fixed, total, shim, seconds, fixedbufs=True)
-                        for _ in range(repeat)
-                    ]
+                    with reading():
+                        figs = [
+                            run_fio(path, "read", bs, fixed, total, shim, seconds, fixedbufs=True)
+                            for _ in range(repeat)
+                        ]
                     fio_rows[("readfixed", bs, fixed)] = median_figure(figs)
                     raw[f"fio/readfixed/{bs}/{fixed}"] = figs
             path.unlink(missing_ok=True)
@@ -713,6 +736,7 @@ def main() -> None:
     chosen: dict[tuple[str, int], list[int]] = {}
     read_hash: dict[tuple[str, int, int], list[float]] = {}
     bare_runs: dict[tuple[str, int], list[EngineRun]] = {}
+    bare_plain: dict[tuple[str, int], list[EngineRun]] = {}
     open_s: dict[tuple[str, int], list[float]] = {}
     for engine in engines:
         for bs in SIZES:
@@ -735,6 +759,10 @@ def main() -> None:
                 # ratios).
                 alone = run_engine_only(args.dir, engine, bs, 32, total, region, passes, register)
                 bare_runs.setdefault((engine, bs), []).append(asyncio.run(alone))
+                if register and engine == "io_uring":
+                    # Also as the tier's requests go below SPLIT_MIN: pages pinned.
+                    plain = run_engine_only(args.dir, engine, bs, 32, total, region, passes, False)
+                    bare_plain.setdefault((engine, bs), []).append(asyncio.run(plain))
             chosen[(engine, bs)] = [d for d, _ in probes]
             open_s[(engine, bs)] = [t for _, t in probes]
             for depth in TIER_DEPTHS:
@@ -822,11 +850,25 @@ def main() -> None:
                 figs = [getattr(run, rw) for run in bare_runs[(engine, bs)]]
                 raw[f"engine-only/{engine}/{rw}/{bs}/32"] = figs
                 engine_only[(engine, rw, bs)] = median_figure(figs)
+                if (engine, bs) in bare_plain:
+                    figs = [getattr(run, rw) for run in bare_plain[(engine, bs)]]
+                    raw[f"engine-only-unregistered/{engine}/{rw}/{bs}/32"] = figs
             w, r = engine_only[(engine, "write", bs)], engine_only[(engine, "read", bs)]
             print(
                 f"  {engine:8s} {fmt(bs):7s} write {w.gbps:.2f} GB/s {w.cpu_s_per_gb:.3f} CPU s/GB"
                 f" | read {r.gbps:.2f} GB/s {r.cpu_s_per_gb:.3f} CPU s/GB"
+                + (" (registered rows)" if (engine, bs) in bare_plain else "")
             )
+            if (engine, bs) in bare_plain:
+                w, r = (
+                    median_figure([getattr(run, rw) for run in bare_plain[(engine, bs)]])
+                    for rw in ("write", "read")
+                )
+                print(
+                    f"  {'':8s} {'':7s} write {w.gbps:.2f} GB/s {w.cpu_s_per_gb:.3f} CPU s/GB"
+                    f" | read {r.gbps:.2f} GB/s {r.cpu_s_per_gb:.3f} CPU s/GB (pages pinned per "
+                    "request)"
+                )
     region.close()
 
     print()
@@ -898,14 +940,29 @@ def main() -> None:
                 )
         for op in ("write", "read"):
             cpu = tier_rows[(engine, op, 64 * KiB, 32)].cpu_s_per_gb
-            bare = engine_only[(engine, op, 64 * KiB)].cpu_s_per_gb
-            # Each repeat's tier against the bare engine of the same repeat.
+            # Each repeat's tier against the bare engine of the same repeat,
+            # moving its rows as the tier does: below SPLIT_MIN the tier's
+            # header-and-row requests go vectored, pages pinned per request.
             tier_figs = raw[f"{engine}/{op}/{64 * KiB}/32"]
-            bare_figs = raw[f"engine-only/{engine}/{op}/{64 * KiB}/32"]
+            plain_key = f"engine-only-unregistered/{engine}/{op}/{64 * KiB}/32"
+            fixed_key = f"engine-only/{engine}/{op}/{64 * KiB}/32"
+            as_tier = plain_key if plain_key in raw and 64 * KiB < SPLIT_MIN else fixed_key
+            bare_figs = raw[as_tier]
+            bare = median_figure(bare_figs).cpu_s_per_gb
             per = [
                 t.cpu_s_per_gb / b.cpu_s_per_gb for t, b in zip(tier_figs, bare_figs, strict=True)
             ]
             paired = statistics.median(per)
+            other = ""
+            if as_tier != fixed_key:
+                vs = [
+                    t.cpu_s_per_gb / b.cpu_s_per_gb
+                    for t, b in zip(tier_figs, raw[fixed_key], strict=True)
+                ]
+                other = (
+                    f"; {statistics.median(vs):.2f}x the bare engine reading and writing "
+                    "registered rows (one fixed-buffer entry per request)"
+                )
             target(
                 f"cpu64k/{engine}/{op}",
                 engine,
@@ -913,7 +970,7 @@ def main() -> None:
                 paired <= 1.2,
                 f"64 KiB {op} CPU per GB, tier / bare engine, qd32: {cpu:.3f} / {bare:.3f}; "
                 f"median of each repeat's ratio {paired:.2f} ({', '.join(f'{x:.2f}' for x in per)})"
-                f" (<= 1.2)",
+                f" (<= 1.2){other}",
             )
         for bs in SIZES:
             # The kernel's least work to read a GB at this block size: fio's

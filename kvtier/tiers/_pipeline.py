@@ -117,7 +117,8 @@ class _Run:
         self.ops = ops
         self.numbers = numbers
         """The header pages' numbers, one per block."""
-        self.pages = [pages.view(n) for n in numbers]
+        views = pages.views
+        self.pages = [views[n] for n in numbers]
         self.keys = [op.key for op in ops]
         self.views = [op.view for op in ops]
 
@@ -150,6 +151,11 @@ class _HeaderPages:
 
     def view(self, index: int) -> memoryview:
         return self._views[index]
+
+    @property
+    def views(self) -> list[memoryview]:
+        """Every page's view, by number."""
+        return self._views
 
     def close(self) -> None:
         for v in self._views:
@@ -499,24 +505,30 @@ class Pipeline:
             self._manager.complete_load(keys)
             self.hits += len(ops)
             self.bytes_read += len(ops) * self._block_bytes
-        released = self._slots.released
-        active = 0
-        for op in ops:
+        self._slots.released_many(keys)
+        syncing = 0
+        job = ops[0].job
+        start = 0  # of the run of blocks of one job, counted together
+        for i, op in enumerate(ops):
             op.page = -1
-            released(op.key)
-            job = op.job
-            job.ok.append(op.key)
             if op.syncing:
                 op.syncing = False
-            else:
-                active += 1
-            job.remaining -= 1
-            if job.remaining == 0:
-                self._finish_job(job)
-        self._active -= active
+                syncing += 1
+            if op.job is not job:
+                self._count_ok(job, keys[start:i])
+                job, start = op.job, i
+        self._count_ok(job, keys[start:] if start else keys)
+        self._active -= len(ops) - syncing
         self._busy_end(store, len(ops))
         self._pump()
         self._on_settled()
+
+    def _count_ok(self, job: _Job, keys: list[bytes]) -> None:
+        """Blocks ``keys`` of ``job`` succeeded; the job ends with its last block."""
+        job.ok += keys
+        job.remaining -= len(keys)
+        if job.remaining == 0:
+            self._finish_job(job)
 
     def _wait_sync(self, ops: list[_BlockOp]) -> None:
         """Written blocks of ``durability="fsync"``: done once a shared fsync flushes them."""
@@ -630,8 +642,11 @@ class Pipeline:
         self._on_settled()
 
     def _finish_job(self, job: _Job) -> None:
-        ok = set(job.ok)
-        ordered = tuple(k for k in job.order if k in ok)
+        if len(job.ok) == len(job.order):
+            ordered = job.order  # every block succeeded (the common case)
+        else:
+            ok = set(job.ok)
+            ordered = tuple(k for k in job.order if k in ok)
         if job.store:
             job.done.set_result(
                 StoreResult(

@@ -141,6 +141,12 @@ class SlotFile:
             if slot is not None:
                 self.zero(slot)
 
+    def released_many(self, keys: list[bytes]) -> None:
+        """:meth:`released` of each of ``keys`` (nothing to do, most of the time)."""
+        if self._zero_when_free:
+            for key in keys:
+                self.released(key)
+
     def zero(self, slot: int) -> None:
         """Overwrite a slot's header with zeros (a free slot), ordered before its next write."""
         if slot in self._zeroing:

@@ -20,7 +20,7 @@ def prep_rw(
     table: bytes | None,
     acc: bytearray | None,
     /,
-) -> int: ...
+) -> tuple[int, int]: ...
 def reap(
     cq: object,
     head_at: int,

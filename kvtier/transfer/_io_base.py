@@ -90,6 +90,8 @@ class IOEngineStatistics:
     registered_bytes: int = 0
     """Memory registered with the kernel for transfers that pin no pages per
     request (:meth:`IOEngine.register_memory`); 0 when none is."""
+    fixed_requests: int = 0
+    """Requests that went from registered memory (io_uring fixed buffers)."""
 
 
 def _buffer_address_py(buf: memoryview) -> int:
@@ -200,9 +202,13 @@ class IOEngine(abc.ABC):
             bytes_read=self._bytes_read,
             bytes_written=self._bytes_written,
             registered_bytes=self._registered_bytes(),
+            fixed_requests=self._fixed_requests(),
         )
 
     def _registered_bytes(self) -> int:
+        return 0
+
+    def _fixed_requests(self) -> int:
         return 0
 
     # -- registered memory --------------------------------------------------------------

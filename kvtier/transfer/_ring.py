@@ -50,6 +50,7 @@ __all__ = [
     "OP_NOP",
     "OP_READV",
     "OP_WRITEV",
+    "SPLIT_MIN",
     "Ring",
 ]
 
@@ -70,6 +71,10 @@ _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 
 FIXED_CAPABLE = _native is not None
 """Whether fixed buffers can be used (:meth:`Ring.prep_rw` needs the compiled helper)."""
+
+SPLIT_MIN = 1 << 20
+"""Least bytes of the second buffer of a two-buffer request sent as two fixed-buffer
+entries (``_address.c``): below, the second entry costs more than pinning saves."""
 
 ACC_BYTES = 32
 """Bytes per request of the accumulator a batch of split requests needs (see prep_rw)."""
@@ -245,7 +250,7 @@ class Ring:
         batch: int,
         table: bytes | None = None,
         acc: bytearray | None = None,
-    ) -> None:
+    ) -> int:
         """Write the entries of ``requests[start:start + count]`` (checked, contiguous buffers).
 
         Request ``i``'s ``struct iovec`` array is written at ``iovecs[i * stride * 16:]``
@@ -254,14 +259,16 @@ class Ring:
         ``iovecs`` and the buffers alive until the requests are reaped.
 
         ``table`` (from :meth:`fixed_table`) lists the registered buffers: a
-        request whose one or two buffers each lie in one of them is sent as
-        one fixed-buffer entry per buffer (the kernel then pins no pages for
-        it); a request of two needs ``acc`` (:data:`ACC_BYTES` per request of
-        the batch, passed to :meth:`reap_runs` in ``split``), where its two
-        results meet. Without the compiled helper ``table`` must be None.
+        request whose one buffer lies in one of them is sent as one
+        fixed-buffer entry (the kernel then pins no pages for it); a request
+        of two whose second has at least :data:`SPLIT_MIN` bytes, as one
+        fixed-buffer entry each, which needs ``acc`` (:data:`ACC_BYTES` per
+        request of the batch, passed to :meth:`reap_runs` in ``split``),
+        where its two results meet. Without the compiled helper ``table``
+        must be None. Returns how many requests went with fixed buffers.
         """
         if _native is not None:
-            self._tail = _native.prep_rw(
+            self._tail, fixed = _native.prep_rw(
                 self._sqes,
                 self._sq_mask,
                 self._tail,
@@ -277,7 +284,7 @@ class Ring:
                 table,
                 acc,
             )
-            return
+            return fixed
         if table is not None:
             raise RuntimeError("fixed buffers need the compiled helper kvtier.transfer._address")
         base = _address_of(iovecs)
@@ -294,6 +301,7 @@ class Ring:
                 offsets[i],
                 (batch << 32) | i,
             )
+        return 0
 
     def pending(self) -> int:
         """Entries prepared or published that the kernel has not consumed yet."""

@@ -23,10 +23,12 @@ is reaped.
 Memory registered with :meth:`UringEngine.register_memory` (the CPU region,
 the file tier's header pages) becomes the ring's fixed buffers: a request of
 one buffer inside it goes as one ``READ_FIXED`` / ``WRITE_FIXED`` entry, and a
-request of two (a block's header page and its row) as two at consecutive
-offsets, reported once, when both are in. The kernel then pins no pages per
-request, which is most of its CPU per request at large blocks (fio at 2 MiB:
-about a quarter of the CPU per GB with ``--fixedbufs``).
+request of two (a block's header page and its row) whose row has at least
+:data:`~kvtier.transfer._ring.SPLIT_MIN` bytes as two at consecutive offsets,
+reported once, when both are in. The kernel then pins no pages for it, which
+is much of its CPU per request at large blocks (fio at 2 MiB: about a quarter
+of the CPU per GB with ``--fixedbufs``); below 1 MiB a second entry costs more
+than that saves, and the request goes vectored as before.
 """
 
 from __future__ import annotations
@@ -153,6 +155,7 @@ class UringEngine(IOEngine):
         # Registered memory: each owner's exports and (address, length) spans,
         # the lookup prep_rw takes, and the accumulators of split batches.
         self._owners: dict[int, tuple[object, list[memoryview], list[tuple[int, int]]]] = {}
+        self._fixed = 0
         self._table: bytes | None = None
         self._split: dict[int, bytearray] = {}
 
@@ -279,6 +282,9 @@ class UringEngine(IOEngine):
         self._table = Ring.fixed_table(spans) if spans else None
         return True
 
+    def _fixed_requests(self) -> int:
+        return self._fixed
+
     def _registered_bytes(self) -> int:
         if self._table is None:
             return 0
@@ -323,7 +329,7 @@ class UringEngine(IOEngine):
                     batch.acc = bytearray(ACC_BYTES * len(batch.requests))
                     self._split[batch.ident] = batch.acc
                 try:
-                    ring.prep_rw(
+                    self._fixed += ring.prep_rw(
                         _OPCODE[batch.kind],
                         batch.fd,
                         batch.iov,

@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.config import FileTierConfig
+from kvtier.errors import IntegrityError
+from kvtier.layout import KVLayout, TensorSpec
 from kvtier.testing.io_engine import PAGE, BatchOutcomes, aligned_buffer
+from kvtier.tiers._format import HEADER_BYTES
+from kvtier.tiers.file_tier import FileTier
 from kvtier.transfer import _ring, uring
 from kvtier.transfer.io_engine import IOEngine, open_io_engine, probe_io_uring
 
@@ -36,6 +41,10 @@ async def _transfer(
     return done.reported
 
 
+ROW = _ring.SPLIT_MIN
+"""The least row a two-buffer request is split for (smaller ones go vectored)."""
+
+
 @needs_uring
 @needs_native
 async def test_header_and_row_requests_round_trip_through_registered_memory(
@@ -45,34 +54,31 @@ async def test_header_and_row_requests_round_trip_through_registered_memory(
     go as two fixed-buffer entries each and are reported once, with both sizes."""
     engine = await open_io_engine("io_uring", queue_depth=4)
     fd = _direct_fd(tmp_path)
-    n = 23  # past the depth, so requests wait and go in several submissions
-    heads, rows = aligned_buffer(n * PAGE), aligned_buffer(n * 4 * PAGE)
+    n, each = 9, PAGE + ROW  # past the depth: requests wait, several submissions
+    heads, rows = aligned_buffer(n * PAGE), aligned_buffer(n * ROW)
     try:
-        assert engine.register_memory(rows, [memoryview(rows)]) == n * 4 * PAGE
+        assert engine.register_memory(rows, [memoryview(rows)]) == n * ROW
         assert engine.register_memory(heads, [memoryview(heads)]) == n * PAGE
-        assert engine.statistics().registered_bytes == n * 5 * PAGE
-        src = os.urandom(n * 5 * PAGE)
+        assert engine.statistics().registered_bytes == n * each
+        src = os.urandom(n * each)
         hv, rv = memoryview(heads), memoryview(rows)
-        for i in range(n):
-            hv[i * PAGE : (i + 1) * PAGE] = src[i * 5 * PAGE : i * 5 * PAGE + PAGE]
-            rv[i * 4 * PAGE : (i + 1) * 4 * PAGE] = src[i * 5 * PAGE + PAGE : (i + 1) * 5 * PAGE]
-        requests = [
-            [hv[i * PAGE : (i + 1) * PAGE], rv[i * 4 * PAGE : (i + 1) * 4 * PAGE]] for i in range(n)
-        ]
-        offsets = [i * 5 * PAGE for i in range(n)]
+        requests = [[hv[i * PAGE : (i + 1) * PAGE], rv[i * ROW : (i + 1) * ROW]] for i in range(n)]
+        for i, (h, r) in enumerate(requests):
+            h[:] = src[i * each : i * each + PAGE]
+            r[:] = src[i * each + PAGE : (i + 1) * each]
+        offsets = [i * each for i in range(n)]
         wrote = await _transfer(engine, False, fd, requests, offsets)
-        assert wrote == {i: (5 * PAGE, None) for i in range(n)}
+        assert wrote == {i: (each, None) for i in range(n)}
         # The file holds what one vectored write per request would have written.
         assert (tmp_path / "f").read_bytes() == src
         hv[:] = b"\0" * len(hv)
         rv[:] = b"\0" * len(rv)
         read = await _transfer(engine, True, fd, requests, offsets)
-        assert read == {i: (5 * PAGE, None) for i in range(n)}
-        assert bytes(hv[:PAGE]) + bytes(rv[: 4 * PAGE]) == src[: 5 * PAGE]
+        assert read == {i: (each, None) for i in range(n)}
         assert b"".join(bytes(v) for r in requests for v in r) == src
         stats = engine.statistics()
-        assert stats.submitted == stats.completed == 2 * n
-        assert stats.bytes_read == stats.bytes_written == n * 5 * PAGE
+        assert stats.submitted == stats.completed == stats.fixed_requests == 2 * n
+        assert stats.bytes_read == stats.bytes_written == n * each
         assert stats.in_flight == 0
         assert stats.max_in_flight <= 4
     finally:
@@ -87,29 +93,26 @@ async def test_split_requests_report_what_one_vectored_request_would(tmp_path: P
     engine = await open_io_engine("io_uring", queue_depth=8)
     fd = _direct_fd(tmp_path)
     os.pwrite(fd, aligned_buffer(3 * PAGE), 0)  # the file ends after 3 pages
-    mem = aligned_buffer(8 * PAGE)
+    mem = aligned_buffer(2 * (PAGE + ROW))
     v = memoryview(mem)
+    a, b = [v[:PAGE], v[PAGE : PAGE + ROW]], [v[PAGE + ROW : 2 * PAGE + ROW], v[2 * PAGE + ROW :]]
     try:
-        assert engine.register_memory(mem, [v]) == 8 * PAGE
-        read = await _transfer(
-            engine,
-            True,
-            fd,
-            [[v[:PAGE], v[PAGE : 4 * PAGE]], [v[4 * PAGE : 5 * PAGE], v[5 * PAGE : 6 * PAGE]]],
-            [0, 8 * PAGE],
-        )
-        # Request 0: 1 + 2 of 3 pages (end of file); request 1 past the end: 0.
+        assert engine.register_memory(mem, [v]) == 2 * (PAGE + ROW)
+        read = await _transfer(engine, True, fd, [a, b], [0, 8 * ROW])
+        # Request 0: 1 + 2 pages (the end of the file); request 1, past the end: 0.
         assert read == {0: (3 * PAGE, None), 1: (0, None)}
         ro = os.open(tmp_path / "f", os.O_RDONLY | os.O_DIRECT)
         try:
-            wrote = await _transfer(engine, False, ro, [[v[:PAGE], v[PAGE : 2 * PAGE]]], [0])
+            wrote = await _transfer(engine, False, ro, [a], [0])
         finally:
             os.close(ro)
         nbytes, exc = wrote[0]
         assert nbytes == 0
         assert isinstance(exc, OSError)
         assert exc.errno == errno.EBADF
-        assert engine.statistics().failed == 1
+        stats = engine.statistics()
+        assert stats.failed == 1
+        assert stats.fixed_requests == 3
     finally:
         await engine.aclose()
         os.close(fd)
@@ -117,33 +120,40 @@ async def test_split_requests_report_what_one_vectored_request_would(tmp_path: P
 
 @needs_uring
 @needs_native
-async def test_buffers_outside_registered_memory_and_across_its_pieces_still_work(
+async def test_what_goes_with_fixed_buffers_and_what_goes_vectored(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Registered memory is cut into pieces of at most MAX_FIXED_BYTES (1 GiB for the
-    kernel): a buffer across two pieces, or outside, goes as a vectored request."""
-    monkeypatch.setattr(uring, "MAX_FIXED_BYTES", 2 * PAGE)
+    kernel): a buffer across two pieces, or outside, or a two-buffer request with a
+    row under SPLIT_MIN, goes vectored; all of them move the same bytes (no two of
+    the buffers below overlap)."""
+    u = ROW
+    monkeypatch.setattr(uring, "MAX_FIXED_BYTES", 2 * u)
     engine = await open_io_engine("io_uring", queue_depth=4)
     fd = _direct_fd(tmp_path)
-    mem, other = aligned_buffer(8 * PAGE), aligned_buffer(4 * PAGE)
+    mem, other = aligned_buffer(8 * u), aligned_buffer(PAGE)
     v, o = memoryview(mem), memoryview(other)
     try:
-        assert engine.register_memory(mem, [v]) == 8 * PAGE
-        src = os.urandom(8 * PAGE)
-        v[:] = src[: 8 * PAGE]
+        assert engine.register_memory(mem, [v]) == 8 * u
         requests = [
-            [v[:PAGE]],  # one fixed entry
-            [v[PAGE : 3 * PAGE]],  # across two pieces: vectored
-            [v[3 * PAGE : 4 * PAGE], v[4 * PAGE : 6 * PAGE]],  # the second across pieces
-            [o[:PAGE], v[6 * PAGE : 7 * PAGE]],  # one part outside
+            [v[:PAGE]],  # one buffer in a piece: fixed
+            [v[u : 3 * u]],  # across two pieces: vectored
+            [v[3 * u : 3 * u + PAGE], v[3 * u + PAGE : 4 * u + PAGE]],  # row across pieces
+            [o[:PAGE], v[6 * u : 7 * u]],  # header outside: vectored
+            [v[4 * u + PAGE : 4 * u + 2 * PAGE], v[4 * u + 2 * PAGE : 5 * u + 2 * PAGE]],  # fixed
+            [v[7 * u : 7 * u + PAGE], v[7 * u + PAGE : 7 * u + 3 * PAGE]],  # small row: vectored
         ]
-        sizes = [PAGE, 2 * PAGE, 3 * PAGE, 2 * PAGE]
-        offsets = [0, PAGE, 3 * PAGE, 6 * PAGE]
-        o[:PAGE] = src[6 * PAGE : 7 * PAGE]
-        v[6 * PAGE : 7 * PAGE] = src[7 * PAGE : 8 * PAGE]
+        sizes = [sum(b.nbytes for b in r) for r in requests]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        src = os.urandom(sum(sizes))
+        for r, at in zip(requests, offsets, strict=True):
+            for b in r:
+                b[:] = src[at : at + b.nbytes]
+                at += b.nbytes
         wrote = await _transfer(engine, False, fd, requests, offsets)
-        assert wrote == {i: (s, None) for i, s in enumerate(sizes)}
+        assert wrote == {i: (n, None) for i, n in enumerate(sizes)}
         assert (tmp_path / "f").read_bytes() == src
+        assert engine.statistics().fixed_requests == 2
     finally:
         await engine.aclose()
         os.close(fd)
@@ -211,4 +221,55 @@ async def test_the_thread_pool_registers_nothing() -> None:
         assert engine.statistics().registered_bytes == 0
         engine.unregister_memory(engine)
     finally:
+        await engine.aclose()
+
+
+@needs_uring
+@needs_native
+async def test_a_file_tier_of_large_blocks_moves_them_from_registered_memory(
+    tmp_path: Path,
+) -> None:
+    """Blocks of SPLIT_MIN bytes: each header and row go as fixed-buffer entries,
+    the blocks round-trip, and a flipped byte on disk is still caught."""
+    layout = KVLayout(
+        tensors=(
+            TensorSpec(name="kv", shape=(4, 64), dtype="float16", itemsize=2, kv_first=False),
+        ),
+        model_id="m",
+        block_tokens=16,
+    )
+    engine = await open_io_engine("io_uring", queue_depth=4)
+    config = FileTierConfig(
+        root=tmp_path / "tier",
+        bytes_to_use=FileTier.budget_for(8, ROW),
+        io_engine="io_uring",
+        direct_io="require",
+    )
+    tier = await FileTier.open(config, layout, block_bytes=ROW, io_engine=engine)
+    src, dst = aligned_buffer(6 * ROW), aligned_buffer(6 * ROW)
+    src[:] = os.urandom(6 * ROW)
+    rows = [memoryview(src)[i * ROW : (i + 1) * ROW] for i in range(6)]
+    back = [memoryview(dst)[i * ROW : (i + 1) * ROW] for i in range(6)]
+    keys = [bytes([i]) * 16 for i in range(6)]
+    try:
+        assert tier.register_memory([src, dst]) > 12 * ROW
+        assert (await tier.store(keys, rows)).stored == tuple(keys)
+        assert engine.statistics().fixed_requests == 6
+        slot_file = tier.path / "blocks.dat"
+        slot = tier.slot_of(keys[4])
+        assert slot is not None
+        at = slot * (HEADER_BYTES + ROW) + HEADER_BYTES + 12345
+        fd = os.open(slot_file, os.O_RDWR)
+        try:
+            os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 1]), at)
+        finally:
+            os.close(fd)
+        result = await tier.load(keys, back)
+        assert result.loaded == tuple(k for k in keys if k != keys[4])
+        assert isinstance(result.missing[keys[4]], IntegrityError)
+        for i in (0, 1, 2, 3, 5):
+            assert bytes(back[i]) == bytes(rows[i])
+        assert engine.statistics().fixed_requests == 12
+    finally:
+        await tier.aclose()
         await engine.aclose()
