@@ -47,6 +47,19 @@ flight), the cheaper of the xxhash package and kvtier's own C, plus fio's
 least read CPU per GB at that block size (the bare engine's without fio);
 the ratio against the XXH3 figure measured once at the start is printed too.
 
+The rows are registered with the I/O engine (``FileTier.register_memory``,
+as ``kvtier.engine`` registers its CPU region; ``--no-register`` leaves them
+unregistered), for the tier and the bare engine alike; the bare engine also
+runs unregistered (io_uring), and the 64 KiB CPU target takes the one moving
+rows as the tier does (below ``SPLIT_MIN`` the tier's header-and-row
+requests go vectored). fio also reads with ``--fixedbufs``; the read floor
+against its least read CPU from registered buffers is printed beside the
+issue's, not judged. Every read, fio's and kvtier's, runs on the CPUs that do
+not take the disk's interrupts (``--cpus auto``, the default; a probe read
+finds them): a kernel without ``IRQ_TIME_ACCOUNTING`` charges an interrupt's
+handling to whatever runs on its CPU, the tier verifying blocks but not fio
+asleep waiting for completions.
+
 The overwrite and the read are timed over ``--passes`` passes of the tier
 (2; 1 with ``--quick``): one pass of 8 MiB blocks is 128 blocks and a
 fraction of a second, too short to tell depths 5% apart.

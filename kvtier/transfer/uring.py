@@ -221,10 +221,8 @@ class UringEngine(IOEngine):
         self._check_open()
         if not FIXED_CAPABLE:
             return 0  # fixed buffers need the compiled helper's prep_rw
-        views = [
-            _as_bytes_view(b if isinstance(b, memoryview) else memoryview(b))  # type: ignore[arg-type]
-            for b in buffers
-        ]
+        # Views of our own (never the caller's objects), released when unregistered.
+        views = [_as_bytes_view(memoryview(b)) for b in buffers]  # type: ignore[arg-type]
         spans: list[tuple[int, int]] = []
         for v in views:
             addr = buffer_address(v)
@@ -234,6 +232,9 @@ class UringEngine(IOEngine):
         if spans:
             self._owners[id(owner)] = (owner, views, spans)
         if self._reregister():
+            if previous is not None:
+                for v in previous[1]:
+                    v.release()
             return sum(n for _, n in spans)
         # Refused (the memlock limit, memory the kernel will not pin): this
         # owner's I/O goes as before, the others' stays registered.

@@ -175,9 +175,13 @@ async def test_registered_memory_cannot_be_unmapped_until_unregistered() -> None
         region.close()
         # Replacing an owner's buffers: only the last call's count.
         a, b = aligned_buffer(2 * PAGE), aligned_buffer(3 * PAGE)
-        engine.register_memory(owner, [a])
+        mine = memoryview(a)
+        engine.register_memory(owner, [mine])
         assert engine.register_memory(owner, [b]) == 3 * PAGE
         assert engine.statistics().registered_bytes == 3 * PAGE
+        assert mine[0] == 0  # the caller's view is still the caller's
+        mine.release()
+        a.close()  # replaced, so no longer held
     finally:
         await engine.aclose()
     # Closing the engine releases what it held.
