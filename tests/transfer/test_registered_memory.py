@@ -256,7 +256,9 @@ async def test_a_file_tier_of_large_blocks_moves_them_from_registered_memory(
     back = [memoryview(dst)[i * ROW : (i + 1) * ROW] for i in range(6)]
     keys = [bytes([i]) * 16 for i in range(6)]
     try:
-        assert tier.register_memory([src, dst]) > 12 * ROW
+        registered = tier.register_memory([src, dst])
+        assert registered > 12 * ROW
+        assert tier.statistics().registered_bytes == registered
         assert (await tier.store(keys, rows)).stored == tuple(keys)
         assert engine.statistics().fixed_requests == 6
         slot_file = tier.path / "blocks.dat"
