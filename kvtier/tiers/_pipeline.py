@@ -47,7 +47,7 @@ from kvtier.errors import (
     NamespaceMismatchError,
     TierIOError,
 )
-from kvtier.manager import ResidencyManager
+from kvtier.manager import LoadPlan, ResidencyManager
 from kvtier.tiers._format import (
     HEADER_BYTES,
     VERIFY_CHECKSUM,
@@ -341,19 +341,33 @@ class Pipeline:
         ``where`` names the tier in the error of a key that is not ready.
         """
         done: Completion[LoadResult] = Completion(self._loop)
-        is_ready = self._manager.is_ready
-        ready = [k for k in keys if is_ready(k)]
-        job = _Job(done, store=False, remaining=len(ready), order=tuple(keys))
-        if len(ready) < len(keys):
-            for k in keys:
-                if not is_ready(k):
-                    job.failed[k] = BlockNotFoundError(f"block {k.hex()} is not in the {where}")
-        if ready:
-            plan = self._manager.prepare_load(ready)
+        order = tuple(keys)
+        plan: LoadPlan | None
+        try:
+            # The usual call: every block is here, pinned by one call (which
+            # pins nothing when one is not).
+            plan = self._manager.prepare_load(order)
+        except BlockNotFoundError:
+            is_ready = self._manager.is_ready
+            ready = [k for k in keys if is_ready(k)]
+            plan = self._manager.prepare_load(ready) if ready else None
             by_key = dict(zip(keys, views, strict=True))
+            views = [by_key[k] for k in ready]
+        job = _Job(done, store=False, remaining=len(plan.keys) if plan else 0, order=order)
+        if plan is None or len(plan.keys) < len(order):
+            present = set(plan.keys) if plan else set()
+            for k in order:
+                if k not in present:
+                    job.failed[k] = BlockNotFoundError(f"block {k.hex()} is not in the {where}")
+        if job.remaining:
+            assert plan is not None
             file_slot = self._slots.file_slot
-            for k, s in zip(plan.keys, plan.slots, strict=True):
-                self._pending.append(_BlockOp(False, k, by_key[k], job, file_slot[s]))
+            self._pending.extend(
+                [
+                    _BlockOp(False, k, v, job, file_slot[s])
+                    for k, v, s in zip(plan.keys, views, plan.slots, strict=True)
+                ]
+            )
         else:
             self._finish_job(job)
         self._pump()

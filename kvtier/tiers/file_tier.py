@@ -95,6 +95,11 @@ __all__ = [
     "StoreResult",
 ]
 
+try:
+    from kvtier.transfer._address import check_views as _check_views_c
+except ImportError:  # not built (no C compiler at install): the Python checks alone
+    _check_views_c = None  # type: ignore[assignment]
+
 _T = TypeVar("_T")
 
 log = logging.getLogger("kvtier.file_tier")
@@ -647,10 +652,7 @@ class FileTier(Tier):
         block forgotten and never served again. Blocks are pinned against
         eviction until their own read finishes.
         """
-        views = self._check_call(keys, buffers)
-        for v in views:
-            if v.readonly:
-                raise InvalidArgumentError("load buffers must be writable")
+        views = self._check_call(keys, buffers, writable=True)
         where = "file tier" if self._recovery.state == "complete" else self._recovery.text()
         return self._pipeline.load(keys, views, where)
 
@@ -714,12 +716,26 @@ class FileTier(Tier):
         if self._closed:
             raise ClosedError("the file tier is closed")
 
-    def _check_call(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[memoryview]:
+    def _check_call(
+        self, keys: Sequence[bytes], buffers: Sequence[memoryview], writable: bool = False
+    ) -> list[memoryview]:
+        """The call's buffers as 1-D byte views, each one block, aligned for the
+        slot file's I/O (and writable for a load); raises InvalidArgumentError
+        (AlignmentError) naming the first that is not."""
         self._check_open()
         check_keys(keys)
         if len(buffers) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(buffers)} buffers")
         block_bytes = self._slots.block_bytes
+        if (
+            _check_views_c is not None
+            and type(buffers) is list
+            and _check_views_c(buffers, block_bytes, self._slots.io_alignment, writable) < 0
+        ):
+            # The usual call (rows of a region, as views): checked in one
+            # compiled call, no copy. Anything else takes the checks below,
+            # which convert what can be and name what cannot.
+            return list(buffers)
         views = [b if isinstance(b, memoryview) else memoryview(b) for b in buffers]
         for i, v in enumerate(views):
             if v.nbytes != block_bytes:
@@ -730,6 +746,10 @@ class FileTier(Tier):
                 raise InvalidArgumentError(f"buffer {i} is not contiguous")
         views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
         IOEngine.check_aligned(views, 0, self._slots.io_alignment)
+        if writable:
+            for v in views:
+                if v.readonly:
+                    raise InvalidArgumentError("load buffers must be writable")
         return views
 
     def _busy_now(self) -> bool:

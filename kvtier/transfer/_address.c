@@ -95,6 +95,50 @@ check_rw(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(-1);
 }
 
+/* check_views(views, nbytes, alignment, writable) -> int: -1 when `views` is a
+   list of memoryviews, each 1-D unsigned bytes ("B"), C-contiguous, of exactly
+   `nbytes` bytes, writable where asked, its address and length multiples of `alignment`
+   (<= 1: any); else the index of the first that is not (a view of another
+   shape may still be fine once cast: the caller's own checks decide). The file
+   tier's calls check every row so, once per call instead of five Python loops
+   per row. */
+static PyObject *
+check_views(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "check_views(list, int, int, bool)");
+        return NULL;
+    }
+    PyObject *views = args[0];
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
+    if (nbytes == -1 && PyErr_Occurred())
+        return NULL;
+    long alignment = PyLong_AsLong(args[2]);
+    if (alignment == -1 && PyErr_Occurred())
+        return NULL;
+    int want_writable = PyObject_IsTrue(args[3]);
+    if (want_writable < 0)
+        return NULL;
+    uintptr_t mask = alignment > 1 ? (uintptr_t)alignment - 1 : 0;
+    Py_ssize_t n = PyList_GET_SIZE(views);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *obj = PyList_GET_ITEM(views, i);
+        if (!PyMemoryView_Check(obj))
+            return PyLong_FromSsize_t(i);
+        /* A released view's buffer is gone: its own checks raise ValueError. */
+        if (((PyMemoryViewObject *)obj)->flags & _Py_MEMORYVIEW_RELEASED)
+            return PyLong_FromSsize_t(i);
+        const Py_buffer *v = PyMemoryView_GET_BUFFER(obj);
+        int bytes = v->ndim == 1 && v->itemsize == 1 &&
+                    (v->format == NULL || strcmp(v->format, "B") == 0) &&
+                    (v->strides == NULL || v->strides[0] == 1);
+        if (!bytes || v->len != nbytes || (((uintptr_t)v->buf | (uintptr_t)v->len) & mask) ||
+            (want_writable && v->readonly))
+            return PyLong_FromSsize_t(i);
+    }
+    return PyLong_FromLong(-1);
+}
+
 #define SQE_BYTES 64
 #define CQE_BYTES 16
 #define IOVEC_BYTES 16
@@ -454,6 +498,9 @@ static PyMethodDef methods[] = {
      "address(buffer) -> int: start address of a C-contiguous buffer (read-only ones included)."},
     {"check_rw", (PyCFunction)(void (*)(void))check_rw, METH_FASTCALL,
      "check_rw(requests, offsets, alignment, writable) -> int: -1, or the first bad request."},
+    {"check_views", (PyCFunction)(void (*)(void))check_views, METH_FASTCALL,
+     "check_views(views, nbytes, alignment, writable) -> int: -1, or the first view that is "
+     "not a writable-where-asked, aligned, C-contiguous 1-D byte view of nbytes bytes."},
     {"prep_rw", (PyCFunction)(void (*)(void))prep_rw, METH_FASTCALL,
      "prep_rw(sqes, mask, tail, opcode, fd, iovecs, stride, requests, offsets, start, count, "
      "batch, table, acc) -> (int, int): write io_uring entries for a run of requests; the new "

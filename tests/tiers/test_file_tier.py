@@ -349,6 +349,59 @@ async def test_unaligned_buffer_refused_before_io(open_tier: OpenTier) -> None:
     assert not list((tier.path / "tmp").iterdir())
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+async def test_bad_buffers_refused_by_either_check(
+    open_tier: OpenTier, monkeypatch: pytest.MonkeyPatch, compiled: bool
+) -> None:
+    """The compiled check of a call's buffers and the Python one refuse the same
+    buffers with the same typed errors, and accept the same ones (viewed as bytes)."""
+    from kvtier.tiers import file_tier
+
+    if not compiled:
+        monkeypatch.setattr(file_tier, "_check_views_c", None)
+    elif file_tier._check_views_c is None:  # type: ignore[attr-defined]
+        pytest.skip("the compiled helper kvtier.transfer._address is not built")
+    tier = await open_tier()
+    ks = keys(3)
+    src = pattern_rows(ks)
+    assert (await tier.store(ks, src.rows())).stored == tuple(ks)
+    good = Rows(3)
+    cases: list[tuple[list[memoryview], type[Exception], str | None]] = [
+        ([*good.rows()[:2], good.row(2).toreadonly()], InvalidArgumentError, "writable"),
+        ([*good.rows()[:2], good.row(2)[: BLOCK // 2]], InvalidArgumentError, "has"),
+        ([*good.rows()[:2], memoryview(good.map)[512 : 512 + BLOCK]], AlignmentError, None),
+        ([*good.rows()[:2], memoryview(good.map)[::2][:BLOCK]], InvalidArgumentError, "contig"),
+    ]
+    for bufs, err, text in cases:
+        with pytest.raises(err, match=text):
+            tier.load(ks, bufs)
+    # Accepted: a tuple of rows (the Python checks), one of them viewed as 2-D int32s.
+    shaped = [good.row(0).cast("i", (BLOCK // 64, 16)), good.row(1), good.row(2)]
+    assert (await tier.load(ks, tuple(shaped))).loaded == tuple(ks)
+    assert good.map[:] == src.map[:]
+    # Nothing was pinned by the refused calls: every block still evicts and loads.
+    assert tier.statistics().hits == 3
+    await tier.aclose()
+
+
+async def test_load_with_a_missing_key_among_present_ones(open_tier: OpenTier) -> None:
+    tier = await open_tier()
+    ks = keys(5)
+    src = pattern_rows(ks)
+    await tier.store([ks[0], ks[1], ks[3], ks[4]], [src.row(i) for i in (0, 1, 3, 4)])
+    dst = Rows(5)
+    result = await tier.load(ks, dst.rows())
+    assert result.loaded == (ks[0], ks[1], ks[3], ks[4])
+    assert list(result.missing) == [ks[2]]
+    for i in (0, 1, 3, 4):
+        assert dst.row(i) == pattern(ks[i])
+    assert dst.row(2) == bytes(BLOCK)
+    # The blocks were unpinned once read: all of them can be removed now.
+    tier.remove(ks)
+    assert tier.lookup(ks) == 0
+    assert (await tier.load([], [])).loaded == ()
+
+
 # -- integrity --------------------------------------------------------------------------
 
 
