@@ -706,47 +706,44 @@ def main() -> None:
     fresh_rows: dict[tuple[str, int], Figure] = {}
     raw: dict[str, list[Figure]] = {}
     have_fio = shutil.which("fio") is not None
-    # fio's file (written once, steady) stays until the tier's runs are done:
-    # each repeat of the tier reads it again beside the tier's own reads.
-    fio_path: Path | None = None
-    work = tempfile.TemporaryDirectory()
-    shim = thp_shim(Path(work.name)) if have_fio else None
     if not have_fio:
         print("fio: SKIPPED (not installed; `apt-get install -y fio`): no peer figures")
     else:
-        note = "THP-advised mmap" if shim else "4 KiB pages (no C compiler for the THP shim)"
-        version = subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout
-        print(f"{version.strip()}: io_uring, direct=1, buffers: {note}")
-        for bs in SIZES:
-            once = [fio_fresh(args.dir, bs, total, shim) for _ in range(repeat)]
-            for state in FRESH:
-                figs = [run[state] for run in once]
-                fresh_rows[(state, bs)] = median_figure(figs)
-                raw[f"fio-once/{state}/{bs}/32"] = figs
-        path = args.dir / "fio.dat"
-        fallocate(path, total)
-        run_fio(path, "write", 8 * MiB, 32, total, shim)  # written once: the steady state
-        for rw in ("write", "read"):
+        with tempfile.TemporaryDirectory() as work:
+            shim = thp_shim(Path(work))
+            note = "THP-advised mmap" if shim else "4 KiB pages (no C compiler for the THP shim)"
+            version = subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout
+            print(f"{version.strip()}: io_uring, direct=1, buffers: {note}")
+            for bs in SIZES:
+                once = [fio_fresh(args.dir, bs, total, shim) for _ in range(repeat)]
+                for state in FRESH:
+                    figs = [run[state] for run in once]
+                    fresh_rows[(state, bs)] = median_figure(figs)
+                    raw[f"fio-once/{state}/{bs}/32"] = figs
+            path = args.dir / "fio.dat"
+            fallocate(path, total)
+            run_fio(path, "write", 8 * MiB, 32, total, shim)  # written once: the steady state
+            for rw in ("write", "read"):
+                for bs in SIZES:
+                    for fixed in DEPTHS:
+                        with reading() if rw == "read" else contextlib.nullcontext():
+                            figs = [
+                                run_fio(path, rw, bs, fixed, total, shim, seconds)
+                                for _ in range(repeat)
+                            ]
+                        fio_rows[(rw, bs, fixed)] = median_figure(figs)
+                        raw[f"fio/{rw}/{bs}/{fixed}"] = figs
+            # Reads from registered buffers too: the kernel's least read CPU.
             for bs in SIZES:
                 for fixed in DEPTHS:
-                    with reading() if rw == "read" else contextlib.nullcontext():
+                    with reading():
                         figs = [
-                            run_fio(path, rw, bs, fixed, total, shim, seconds)
+                            run_fio(path, "read", bs, fixed, total, shim, seconds, fixedbufs=True)
                             for _ in range(repeat)
                         ]
-                    fio_rows[(rw, bs, fixed)] = median_figure(figs)
-                    raw[f"fio/{rw}/{bs}/{fixed}"] = figs
-        # Reads from registered buffers too: the kernel's least read CPU.
-        for bs in SIZES:
-            for fixed in DEPTHS:
-                with reading():
-                    figs = [
-                        run_fio(path, "read", bs, fixed, total, shim, seconds, fixedbufs=True)
-                        for _ in range(repeat)
-                    ]
-                fio_rows[("readfixed", bs, fixed)] = median_figure(figs)
-                raw[f"fio/readfixed/{bs}/{fixed}"] = figs
-        fio_path = path
+                    fio_rows[("readfixed", bs, fixed)] = median_figure(figs)
+                    raw[f"fio/readfixed/{bs}/{fixed}"] = figs
+            path.unlink(missing_ok=True)
 
     tier_rows: dict[tuple[str, str, int, int], Figure] = {}
     chosen: dict[tuple[str, int], list[int]] = {}
@@ -779,14 +776,6 @@ def main() -> None:
                     # Also as the tier's requests go below SPLIT_MIN: pages pinned.
                     plain = run_engine_only(args.dir, engine, bs, 32, total, region, passes, False)
                     bare_plain.setdefault((engine, bs), []).append(asyncio.run(plain))
-                if fio_path is not None and not quick:
-                    # fio's read beside the tier's, in the same repeat: the
-                    # floor of this repeat's read under the same load of the
-                    # machine (it drifts by half over a run here). Not with
-                    # --quick: half a second of fio is mostly its start-up.
-                    with reading():
-                        beside = run_fio(fio_path, "read", bs, 32, total, shim, seconds)
-                    raw.setdefault(f"fio-beside/{engine}/read/{bs}/32", []).append(beside)
             chosen[(engine, bs)] = [d for d, _ in probes]
             open_s[(engine, bs)] = [t for _, t in probes]
             for depth in TIER_DEPTHS:
@@ -797,9 +786,6 @@ def main() -> None:
                 read_hash[(engine, bs, depth)] = [
                     one.read_hash_s_per_gb for one in tier_runs[depth]
                 ]
-    if fio_path is not None:
-        fio_path.unlink(missing_ok=True)
-    work.cleanup()
     report["auto_depths"] = {f"{e}/{bs}": d for (e, bs), d in chosen.items()}
     report["auto_open_seconds"] = {f"{e}/{bs}": t for (e, bs), t in open_s.items()}
 
@@ -901,7 +887,6 @@ def main() -> None:
     print()
     targets: list[dict[str, object]] = []
     strict_floor: dict[str, float] = {}
-    readfloor_section: dict[str, float] = {}
     report["read_hash_s_per_gb"] = {f"{e}/{bs}/{d}": v for (e, bs, d), v in read_hash.items()}
 
     def target(name: str, engine: str, value: float, ok: bool, text: str) -> None:
@@ -1019,41 +1004,19 @@ def main() -> None:
             reads = raw[f"{engine}/read/{bs}/32"]
             hashes = read_hash[(engine, bs, 32)]
             per = [f.cpu_s_per_gb / (h + io_cpu) for f, h in zip(reads, hashes, strict=True)]
+            paired = statistics.median(per)
             cpu = tier_rows[(engine, "read", bs, 32)].cpu_s_per_gb
             start_floor = 1 / xxh + io_cpu
-            fio_beside = raw.get(f"fio-beside/{engine}/read/{bs}/32")
-            if fio_beside:
-                # Judged against fio's read of the same repeat (qd32, same
-                # CPUs, a minute from the tier's): the machine's load then
-                # weighs on the tier and its floor alike. The ratio against
-                # the fio section's least read is printed beside it.
-                floors = [h + b.cpu_s_per_gb for h, b in zip(hashes, fio_beside, strict=True)]
-                judged = [f.cpu_s_per_gb / x for f, x in zip(reads, floors, strict=True)]
-                paired = statistics.median(judged)
-                how = (
-                    f"floor = one XXH3 pass over the rows just read + fio's read at qd32 in the "
-                    f"same repeat ({', '.join(f'{x:.3f}' for x in floors)}); against "
-                    f"{source}'s least read of the fio section ({io_cpu:.3f}): "
-                    f"{statistics.median(per):.2f}x ({', '.join(f'{x:.2f}' for x in per)})"
-                )
-                readfloor_section[f"{engine}/{bs}"] = statistics.median(per)
-            else:
-                judged = per
-                paired = statistics.median(per)
-                how = (
-                    f"floor = one XXH3 pass over the rows just read "
-                    f"({statistics.median(hashes):.3f}) + {source}'s least read {io_cpu:.3f}"
-                )
             target(
                 f"readfloor/{engine}/{bs}",
                 engine,
                 paired,
                 paired <= 1.2,
                 f"verified read CPU per GB {fmt(bs)} qd32: {cpu:.3f} = {paired:.2f}x its floor, "
-                f"median of each repeat's ratio ({', '.join(f'{x:.2f}' for x in judged)}) "
-                f"(<= 1.2); {how}; "
-                f"{cpu / start_floor:.2f}x the section's floor with the run-start XXH3 "
-                f"({1 / xxh:.3f})",
+                f"median of each repeat's ratio ({', '.join(f'{x:.2f}' for x in per)}) (<= 1.2); "
+                f"floor = one XXH3 pass over the rows just read "
+                f"({statistics.median(hashes):.3f}) + {source}'s least read {io_cpu:.3f}; "
+                f"{cpu / start_floor:.2f}x the floor with the run-start XXH3 ({1 / xxh:.3f})",
             )
             # Stricter: fio's least read CPU with its buffers registered too
             # (--fixedbufs), the kernel's least work per GB; printed, not judged.
@@ -1069,7 +1032,6 @@ def main() -> None:
                 )
     report["targets"] = targets
     report["readfloor_with_fio_fixedbufs"] = strict_floor
-    report["readfloor_against_fio_section"] = readfloor_section
 
     if recovery_blocks:
         took = asyncio.run(recovery_time(args.dir, recovery_blocks))
