@@ -379,8 +379,9 @@ async def test_bad_buffers_refused_by_either_check(
     shaped = [good.row(0).cast("i", (BLOCK // 64, 16)), good.row(1), good.row(2)]
     assert (await tier.load(ks, tuple(shaped))).loaded == tuple(ks)
     assert good.map[:] == src.map[:]
-    # Nothing was pinned by the refused calls: every block still evicts and loads.
+    # The refused calls read nothing and left no block pinned.
     assert tier.statistics().hits == 3
+    assert [tier._manager.pins(k) for k in ks] == [0, 0, 0]
     await tier.aclose()
 
 
@@ -396,7 +397,8 @@ async def test_load_with_a_missing_key_among_present_ones(open_tier: OpenTier) -
     for i in (0, 1, 3, 4):
         assert dst.row(i) == pattern(ks[i])
     assert dst.row(2) == bytes(BLOCK)
-    # The blocks were unpinned once read: all of them can be removed now.
+    # The blocks were unpinned once read, the missing one never pinned.
+    assert [tier._manager.pins(k) for k in (ks[0], ks[1], ks[3], ks[4])] == [0, 0, 0, 0]
     tier.remove(ks)
     assert tier.lookup(ks) == 0
     assert (await tier.load([], [])).loaded == ()
