@@ -42,7 +42,7 @@ XXH64_hash_t XXH3_64bits_dispatch(XXH_NOESCAPE const void *input, size_t len);
 static const unsigned char MAGIC[8] = {'K', 'V', 'T', 'B', 'L', 'K', 0, 1};
 
 /* verify() outcomes; the same numbers as kvtier.tiers._format.VERIFY_*. */
-enum { V_OK = 0, V_HEADER = 1, V_NAMESPACE = 2, V_KEY = 3, V_SIZE = 4, V_CHECKSUM = 5 };
+enum { V_OK = 0, V_HEADER = 1, V_NAMESPACE = 2, V_KEY = 3, V_SIZE = 4, V_CHECKSUM = 5, V_TRANSFER = 6 };
 
 static void put16(unsigned char *p, uint16_t v) { p[0] = (unsigned char)v; p[1] = (unsigned char)(v >> 8); }
 static void put32(unsigned char *p, uint32_t v) { for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i)); }
@@ -272,48 +272,68 @@ seal_many(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* verify_many(pages, keys, namespace, payloads, which) -> list[tuple[int, int]]: verify()
-   of block i for each i in `which`, payloads of 256 KiB or more hashed without the
-   GIL; the (i, outcome) of those that failed, none when all are sound. */
+/* verify_reaped(pages, keys, namespace, payloads, done, expected) -> list[tuple[int, int]]:
+   for each (i, nbytes, error) an I/O engine reported for block i's read, V_TRANSFER
+   when the read failed or moved other than `expected` bytes, else verify() of
+   block i (payloads of 256 KiB or more hashed without the GIL); the (i, outcome)
+   of the blocks that failed, none when all are sound. The reaped outcomes go in
+   as the engine gave them, so a run whose reads all came back whole costs the
+   pipeline no Python per block. */
 static PyObject *
-verify_many(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+verify_reaped(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
+    if (nargs != 6 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
         !PyList_Check(args[3]) || !PyList_Check(args[4])) {
-        PyErr_SetString(PyExc_TypeError, "verify_many(list, list, bytes, list, list)");
+        PyErr_SetString(PyExc_TypeError, "verify_reaped(list, list, bytes, list, list, int)");
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(args[0]);
     if (PyList_GET_SIZE(args[1]) != n || PyList_GET_SIZE(args[3]) != n) {
-        PyErr_SetString(PyExc_ValueError, "verify_many: one key and payload per page");
+        PyErr_SetString(PyExc_ValueError, "verify_reaped: one key and payload per page");
         return NULL;
     }
-    PyObject *which = args[4];
+    Py_ssize_t expected = PyLong_AsSsize_t(args[5]);
+    if (expected == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *done = args[4];
     PyObject *out = PyList_New(0);
     if (out == NULL)
         return NULL;
-    for (Py_ssize_t w = 0; w < PyList_GET_SIZE(which); w++) {
-        Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(which, w));
+    for (Py_ssize_t w = 0; w < PyList_GET_SIZE(done); w++) {
+        PyObject *item = PyList_GET_ITEM(done, w);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+            PyErr_SetString(PyExc_TypeError, "verify_reaped: each outcome is (index, bytes, error)");
+            goto fail;
+        }
+        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 0));
         if (i == -1 && PyErr_Occurred())
             goto fail;
         if (i < 0 || i >= n) {
-            PyErr_SetString(PyExc_IndexError, "verify_many: block index out of range");
+            PyErr_SetString(PyExc_IndexError, "verify_reaped: block index out of range");
             goto fail;
         }
-        PyObject *call[4] = {PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), args[2],
-                             PyList_GET_ITEM(args[3], i)};
-        PyObject *r = verify(NULL, call, 4);
-        if (r == NULL)
+        Py_ssize_t moved = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 1));
+        if (moved == -1 && PyErr_Occurred())
             goto fail;
-        long code = PyLong_AsLong(r);
-        Py_DECREF(r);
+        long code;
+        if (PyTuple_GET_ITEM(item, 2) != Py_None || moved != expected) {
+            code = V_TRANSFER;
+        } else {
+            PyObject *call[4] = {PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i),
+                                 args[2], PyList_GET_ITEM(args[3], i)};
+            PyObject *r = verify(NULL, call, 4);
+            if (r == NULL)
+                goto fail;
+            code = PyLong_AsLong(r);
+            Py_DECREF(r);
+        }
         if (code != V_OK) {
-            PyObject *item = Py_BuildValue("(nl)", i, code);
-            if (item == NULL || PyList_Append(out, item) < 0) {
-                Py_XDECREF(item);
+            PyObject *bad = Py_BuildValue("(nl)", i, code);
+            if (bad == NULL || PyList_Append(out, bad) < 0) {
+                Py_XDECREF(bad);
                 goto fail;
             }
-            Py_DECREF(item);
+            Py_DECREF(bad);
         }
     }
     return out;
@@ -333,8 +353,9 @@ static PyMethodDef methods[] = {
      "verify(page, key, namespace, payload) -> int: 0 for a valid block, else the failed check."},
     {"seal_many", (PyCFunction)(void (*)(void))seal_many, METH_FASTCALL,
      "seal_many(pages, keys, namespace, payload_bytes, checksums, stored_at): seal() of each page."},
-    {"verify_many", (PyCFunction)(void (*)(void))verify_many, METH_FASTCALL,
-     "verify_many(pages, keys, namespace, payloads, which) -> [(index, outcome)] of the failures."},
+    {"verify_reaped", (PyCFunction)(void (*)(void))verify_reaped, METH_FASTCALL,
+     "verify_reaped(pages, keys, namespace, payloads, done, expected) -> [(index, outcome)] "
+     "of the failures."},
     {NULL, NULL, 0, NULL},
 };
 

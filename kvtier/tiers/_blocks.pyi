@@ -24,11 +24,12 @@ def seal_many(
     stored_at: int,
     /,
 ) -> None: ...
-def verify_many(
+def verify_reaped(
     pages: list[memoryview],
     keys: list[bytes],
     namespace: bytes,
     payloads: list[memoryview],
-    which: list[int],
+    done: list[tuple[int, int, BaseException | None]],
+    expected: int,
     /,
 ) -> list[tuple[int, int]]: ...

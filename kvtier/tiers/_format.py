@@ -28,7 +28,7 @@ blocks found at open by age.
 
 The file tier's per-block path (:func:`checksum`, :func:`checksums`,
 :data:`seal_header`, :data:`verify_block`, and :data:`seal_headers`,
-:data:`verify_blocks` for a run of blocks in one call) runs in the compiled
+:data:`verify_reaped` for a run of blocks in one call) runs in the compiled
 helper ``kvtier/tiers/_blocks.c`` when it is built, and in the pure Python
 below otherwise; both write and accept exactly the same bytes (a test
 compares them).
@@ -53,6 +53,7 @@ __all__ = [
     "VERIFY_NAMESPACE",
     "VERIFY_OK",
     "VERIFY_SIZE",
+    "VERIFY_TRANSFER",
     "BlockHeader",
     "HeaderError",
     "checksum",
@@ -65,7 +66,7 @@ __all__ = [
     "seal_header",
     "seal_headers",
     "verify_block",
-    "verify_blocks",
+    "verify_reaped",
 ]
 
 MAGIC = b"KVTBLK\x00\x01"
@@ -83,6 +84,10 @@ _PADDING = bytes(HEADER_BYTES - _PADDING_START)
 
 VERIFY_OK, VERIFY_HEADER, VERIFY_NAMESPACE, VERIFY_KEY, VERIFY_SIZE, VERIFY_CHECKSUM = range(6)
 """Outcomes of :func:`verify_block`: valid, or the first check that failed."""
+
+VERIFY_TRANSFER = 6
+""":data:`verify_reaped`'s outcome for a block whose read failed or came back short
+(not checked further: its header page and payload hold what the read left)."""
 
 
 def _checksum_py(payload: memoryview) -> int:
@@ -278,14 +283,23 @@ def _seal_headers_py(
         seal_header(page, key, namespace, payload_bytes, summed, stored_at)
 
 
-def _verify_blocks_py(
+def _verify_reaped_py(
     pages: list[memoryview],
     keys: list[bytes],
     namespace: bytes,
     payloads: list[memoryview],
-    which: list[int],
+    done: list[tuple[int, int, BaseException | None]],
+    expected: int,
 ) -> list[tuple[int, int]]:
-    out = [(i, verify_block(pages[i], keys[i], namespace, payloads[i])) for i in which]
+    out = [
+        (
+            i,
+            VERIFY_TRANSFER
+            if exc is not None or moved != expected
+            else verify_block(pages[i], keys[i], namespace, payloads[i]),
+        )
+        for i, moved, exc in done
+    ]
     return [(i, code) for i, code in out if code != VERIFY_OK]
 
 
@@ -296,12 +310,23 @@ seal_headers: Callable[[list[memoryview], list[bytes], bytes, int, list[int], in
 :data:`seal_header` of each page with its key and checksum, one call per run
 of blocks stored."""
 
-verify_blocks: Callable[
-    [list[memoryview], list[bytes], bytes, list[memoryview], list[int]], list[tuple[int, int]]
-] = _verify_blocks_py
-"""``verify_blocks(pages, keys, namespace, payloads, which)``: :data:`verify_block`
-of block ``i`` for each ``i`` in ``which``; the ``(i, outcome)`` of those that
-failed (an empty list when all are sound). One call per run of reads reaped."""
+verify_reaped: Callable[
+    [
+        list[memoryview],
+        list[bytes],
+        bytes,
+        list[memoryview],
+        list[tuple[int, int, BaseException | None]],
+        int,
+    ],
+    list[tuple[int, int]],
+] = _verify_reaped_py
+"""``verify_reaped(pages, keys, namespace, payloads, done, expected)``: for each
+``(i, bytes, error)`` an I/O engine reported for block ``i``'s read,
+:data:`VERIFY_TRANSFER` when it failed or moved other than ``expected`` bytes,
+else :data:`verify_block` of block ``i``; the ``(i, outcome)`` of the blocks
+that failed (an empty list when all are sound). One call per run of reads
+reaped, with the engine's outcomes as they came."""
 
 try:
     from kvtier.tiers import _blocks
@@ -310,4 +335,4 @@ except ImportError:  # not built (no C compiler at install): the Python above
 else:
     _checksum, _checksums = _blocks.checksum, _blocks.checksums
     seal_header, verify_block = _blocks.seal, _blocks.verify
-    seal_headers, verify_blocks = _blocks.seal_many, _blocks.verify_many
+    seal_headers, verify_reaped = _blocks.seal_many, _blocks.verify_reaped

@@ -14,11 +14,16 @@ blocks that fit in flight start as one engine batch
 (:meth:`IOEngine.submit_many`, one compiled call to check and prepare it),
 their headers sealed by one call; the engine reports the requests reaped
 together in one callback, whose reads are verified by one call
-(:data:`~kvtier.tiers._format.verify_blocks`), and the blocks that succeeded
-settle together (one residency call, the counters once). Only a failed block
-takes the path of its own. At most two blocks per engine slot are in flight;
-the rest wait in order. Each call is one job whose completion resolves once
-its last block is done, with a :class:`StoreResult` or :class:`LoadResult`.
+(:data:`~kvtier.tiers._format.verify_reaped`, given the engine's outcomes as
+they came), and the blocks that succeeded settle together (one residency
+call, the counters once). Only a failed block takes the path of its own. A
+load keeps no object per block (:class:`_Loads`: its blocks are positions in
+the lists the engine, the verification and the residency take): after each
+read the hashing has swept the CPU's caches, and each object a block touches
+is a cache miss (run 14 in ``docs/file-tier.md``). At most two blocks per
+engine slot are in flight; the rest wait in order. Each call is one job whose
+completion resolves once its last block is done, with a :class:`StoreResult`
+or :class:`LoadResult`.
 
 Separate from the slot file (:mod:`kvtier.tiers._slots`: where a block is, and
 clearing slots), from the recovery scan (:mod:`kvtier.tiers._recovery`: once,
@@ -54,11 +59,12 @@ from kvtier.tiers._format import (
     VERIFY_HEADER,
     VERIFY_KEY,
     VERIFY_NAMESPACE,
+    VERIFY_TRANSFER,
     HeaderError,
     checksums,
     decode_header_fields,
     seal_headers,
-    verify_blocks,
+    verify_reaped,
 )
 from kvtier.tiers._quarantine import Quarantine
 from kvtier.tiers._slots import SlotFile
@@ -93,13 +99,15 @@ class _Job:
 
 @dataclass(slots=True)
 class _BlockOp:
-    store: bool
+    """One block of a store call (a load call's blocks are :class:`_Loads`)."""
+
     key: bytes
     view: memoryview
     job: _Job
     slot: int
     """Slot of the file (not the manager's slot number)."""
-    page: int = -1
+    page: memoryview | None = None
+    """Its header page while its write is in flight."""
     checksum: int = 0
     """XXH3 of the payload (stores), computed off the loop before the write."""
     error: KVTierError | None = None
@@ -109,18 +117,57 @@ class _BlockOp:
 
 
 class _Run:
-    """Blocks handed to the engine as one batch, and the lists the batch's calls take."""
+    """Blocks of a store handed to the engine as one batch, and the lists its calls take."""
 
-    __slots__ = ("keys", "numbers", "ops", "pages", "views")
+    __slots__ = ("keys", "ops", "pages", "views")
 
-    def __init__(self, ops: list[_BlockOp], numbers: list[int], pages: _HeaderPages) -> None:
+    def __init__(self, ops: list[_BlockOp], pages: list[memoryview]) -> None:
         self.ops = ops
-        self.numbers = numbers
-        """The header pages' numbers, one per block."""
-        views = pages.views
-        self.pages = [views[n] for n in numbers]
+        self.pages = pages
+        """The header pages, one per block."""
         self.keys = [op.key for op in ops]
         self.views = [op.view for op in ops]
+
+
+class _Loads:
+    """The blocks of one load call, started in order a run at a time.
+
+    A load keeps no object per block: its blocks are positions in these lists,
+    which the engine, the verification and the residency take as they are.
+    """
+
+    __slots__ = ("job", "keys", "next", "offsets", "views")
+
+    def __init__(
+        self, job: _Job, keys: list[bytes], views: list[memoryview], offsets: list[int]
+    ) -> None:
+        self.job = job
+        self.keys = keys
+        self.views = views
+        self.offsets = offsets
+        """Each block's offset in the slot file."""
+        self.next = 0
+        """The first block not started yet."""
+
+
+class _LoadRun:
+    """Blocks of one load call handed to the engine as one batch."""
+
+    __slots__ = ("job", "keys", "offsets", "pages", "views")
+
+    def __init__(
+        self,
+        job: _Job,
+        keys: list[bytes],
+        views: list[memoryview],
+        offsets: list[int],
+        pages: list[memoryview],
+    ) -> None:
+        self.job = job
+        self.keys = keys
+        self.views = views
+        self.offsets = offsets
+        self.pages = pages
 
 
 class _HeaderPages:
@@ -130,9 +177,9 @@ class _HeaderPages:
         self._map = mmap.mmap(-1, count * HEADER_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._view = memoryview(self._map)
         self._views = [self._view[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] for i in range(count)]
-        self._free = list(range(count))
+        self._free = self._views[:]
 
-    def take_many(self, count: int) -> list[int]:
+    def take_many(self, count: int) -> list[memoryview]:
         """``count`` free pages (the caller never asks more than are free)."""
         taken = self._free[-count:]
         del self._free[-count:]
@@ -143,19 +190,11 @@ class _HeaderPages:
         """The mapping of every page (to register with the I/O engine)."""
         return self._map
 
-    def give_many(self, numbers: list[int]) -> None:
-        self._free.extend(numbers)
+    def give_many(self, pages: list[memoryview]) -> None:
+        self._free.extend(pages)
 
-    def give(self, index: int) -> None:
-        self._free.append(index)
-
-    def view(self, index: int) -> memoryview:
-        return self._views[index]
-
-    @property
-    def views(self) -> list[memoryview]:
-        """Every page's view, by number."""
-        return self._views
+    def give(self, page: memoryview) -> None:
+        self._free.append(page)
 
     def close(self) -> None:
         for v in self._views:
@@ -223,7 +262,7 @@ class Pipeline:
         # handled, and bound the header pages.
         self._max_active = 2 * engine.queue_depth
         self._pages = _HeaderPages(self._max_active)
-        self._pending: collections.deque[_BlockOp] = collections.deque()
+        self._pending: collections.deque[_BlockOp | _Loads] = collections.deque()
         self._active = 0
         self._summing = 0  # blocks whose payload checksum is being computed
         self._sync_waiting: list[_BlockOp] = []
@@ -301,7 +340,7 @@ class Pipeline:
             order=tuple(keys),
         )
         ops = [
-            _BlockOp(True, key, view, job, slot)
+            _BlockOp(key, view, job, slot)
             for key, view in zip(keys, views, strict=True)
             if (slot := to_write.get(key)) is not None
         ]
@@ -362,11 +401,14 @@ class Pipeline:
         if job.remaining:
             assert plan is not None
             file_slot = self._slots.file_slot
-            self._pending.extend(
-                [
-                    _BlockOp(False, k, v, job, file_slot[s])
-                    for k, v, s in zip(plan.keys, views, plan.slots, strict=True)
-                ]
+            file_bytes = self._file_bytes
+            self._pending.append(
+                _Loads(
+                    job,
+                    list(plan.keys),
+                    views,
+                    [file_slot[s] * file_bytes for s in plan.slots],
+                )
             )
         else:
             self._finish_job(job)
@@ -376,34 +418,26 @@ class Pipeline:
     # -- blocks -------------------------------------------------------------------------
 
     def _pump(self) -> None:
-        """Start as many pending blocks as there is room for, as one engine batch per kind."""
+        """Start as many pending blocks as there is room for: each load call's as
+        one engine batch, the stores among them as another."""
         pending = self._pending
-        room = self._max_active - self._active
-        if not pending or room <= 0:
-            return
-        ops = [pending.popleft() for _ in range(min(room, len(pending)))]
-        self._active += len(ops)
-        loads = [op for op in ops if not op.store]
-        if loads:
-            self._busy_start(False, len(loads))
-            self._start(True, loads)
-        if len(loads) < len(ops):
-            stores = [op for op in ops if op.store]
+        stores: list[_BlockOp] = []
+        # (The room is read again each time: a load that fails at once settles,
+        # and pumps, inside _start_loads.)
+        while pending and (room := self._max_active - self._active - len(stores)) > 0:
+            head = pending[0]
+            if isinstance(head, _Loads):
+                count = min(room, len(head.keys) - head.next)
+                if head.next + count == len(head.keys):
+                    pending.popleft()  # before it starts, so a nested pump cannot see it
+                self._start_loads(head, count)
+            else:
+                pending.popleft()
+                stores.append(head)
+        if stores:
+            self._active += len(stores)
             self._busy_start(True, len(stores))
             self._start_stores(stores)
-
-    def _start(self, read: bool, ops: list[_BlockOp]) -> None:
-        try:
-            self._submit(read, ops)
-        except KVTierError as exc:
-            for op in ops:
-                self._block_done(op, exc)
-        except Exception as exc:
-            # A bug must not leave the blocks pinned or the tier waiting forever.
-            log.exception("file tier: %d blocks failed to start", len(ops))
-            err = TierIOError(_errno.EIO, f"internal error: {exc!r}")
-            for op in ops:
-                self._block_done(op, err)
 
     def _busy_start(self, store: bool, count: int) -> None:
         if not self._busy[store]:
@@ -415,116 +449,242 @@ class Pipeline:
         if not self._busy[store]:
             self._busy_seconds[store] += time.perf_counter() - self._busy_since[store]
 
+    # -- loads --------------------------------------------------------------------------
+
+    def _start_loads(self, loads: _Loads, count: int) -> None:
+        """Hand the next ``count`` blocks of ``loads`` to the engine as one batch."""
+        first, end = loads.next, loads.next + count
+        loads.next = end
+        whole = first == 0 and end == len(loads.keys)
+        run = _LoadRun(
+            loads.job,
+            loads.keys if whole else loads.keys[first:end],
+            loads.views if whole else loads.views[first:end],
+            loads.offsets if whole else loads.offsets[first:end],
+            self._pages.take_many(count),
+        )
+        self._active += count
+        self._busy_start(False, count)
+        try:
+            self._engine.submit_many(
+                True,
+                self._fd,
+                [[page, view] for page, view in zip(run.pages, run.views, strict=True)],
+                run.offsets,
+                lambda done: self._loads_ended(run, done),
+                alignment=self._io_alignment,
+            )
+        except Exception as exc:
+            err = exc if isinstance(exc, KVTierError) else self._internal_error(exc, count)
+            # Nothing was read: the blocks stay, for the next load to try.
+            self._loads_failed(run, [(i, err) for i in range(count)], forget=False)
+
+    def _internal_error(self, exc: Exception, count: int) -> TierIOError:
+        """A bug's exception as the error of the ``count`` blocks it failed (never
+        left pinned, nor the tier waiting for ever)."""
+        log.exception("file tier: %d blocks failed to start", count)
+        return TierIOError(_errno.EIO, f"internal error: {exc!r}")
+
+    def _loads_ended(
+        self, run: _LoadRun, done: list[tuple[int, int, BaseException | None]]
+    ) -> None:
+        """Reads of ``run`` reaped: verify them, then settle every block."""
+        # Verified here, as soon as the reads are reaped and before any block
+        # is reported: no caller ever sees an unchecked block.
+        bad = verify_reaped(run.pages, run.keys, self._namespace, run.views, done, self._file_bytes)
+        keys, pages = run.keys, run.pages
+        if bad or len(done) < len(keys):
+            failed = {i for i, _ in bad}
+            good = [i for i, _, _ in done if i not in failed]
+            keys, pages = [keys[i] for i in good], [pages[i] for i in good]
+        if bad:
+            outcomes = {i: (nbytes, exc) for i, nbytes, exc in done}
+            failures: list[tuple[int, KVTierError]] = []
+            for i, outcome in bad:
+                nbytes, exc = outcomes[i]
+                offset = run.offsets[i]
+                err: KVTierError
+                if outcome == VERIFY_TRANSFER:
+                    err = self._transfer_error(False, offset, nbytes, exc)
+                else:
+                    err = self._verify_error(run.keys[i], offset, run.pages[i], outcome)
+                if isinstance(err, IntegrityError | NamespaceMismatchError):
+                    # What the slot held (a bad block, a short read's part),
+                    # kept before anything else is read into its page or row.
+                    self._quarantine.keep(
+                        offset // self._file_bytes,
+                        run.keys[i],
+                        run.pages[i],
+                        run.views[i],
+                        type(err).__name__,
+                    )
+                failures.append((i, err))
+            self._loads_failed(run, failures)
+        if keys:
+            self._loads_ok(run.job, keys, pages)
+
+    def _loads_ok(self, job: _Job, keys: list[bytes], pages: list[memoryview]) -> None:
+        """Blocks ``keys`` of ``job`` were read and verified: the residency, the
+        counters and the job updated once for all of them."""
+        count = len(keys)
+        self._pages.give_many(pages)
+        self._manager.complete_load(keys)
+        self._slots.released_many(keys)
+        self.hits += count
+        self.bytes_read += count * self._block_bytes
+        self._active -= count
+        self._busy_end(False, count)
+        job.ok += keys
+        job.remaining -= count
+        if job.remaining == 0:
+            self._finish_job(job)
+        self._pump()
+        self._on_settled()
+
+    def _loads_failed(
+        self, run: _LoadRun, failures: list[tuple[int, KVTierError]], *, forget: bool = True
+    ) -> None:
+        """Blocks of ``run`` failed, each ``(index, error)``: misses, and forgotten
+        (``forget``) when their read failed or what it found cannot be served."""
+        manager, job = self._manager, run.job
+        for i, err in failures:
+            key = run.keys[i]
+            self._pages.give(run.pages[i])
+            manager.complete_load([key])
+            if forget and key in manager and manager.is_ready(key):
+                self._slots.forget([key])
+            self._slots.released(key)
+            log.warning("file tier: block %s: %s", key.hex(), err)
+            job.failed[key] = err
+        count = len(failures)
+        self._active -= count
+        self._busy_end(False, count)
+        job.remaining -= count
+        if job.remaining == 0:
+            self._finish_job(job)
+        self._pump()
+        self._on_settled()
+
+    def _verify_error(self, key: bytes, offset: int, page: memoryview, outcome: int) -> KVTierError:
+        """The error of a block that failed :func:`verify_block` (the failure path only)."""
+        where = f"{self._slots.path} slot {offset // self._file_bytes}"
+        if outcome == VERIFY_HEADER:
+            try:
+                decode_header_fields(page)
+            except HeaderError as exc:
+                return IntegrityError(f"bad block header ({exc})", where)
+            return IntegrityError("bad block header", where)
+        found, namespace, payload_bytes, _, _ = decode_header_fields(page)
+        if outcome == VERIFY_NAMESPACE:
+            return NamespaceMismatchError(
+                f"{where} holds a block of namespace {namespace.hex()}, not {self._namespace.hex()}"
+            )
+        if outcome == VERIFY_KEY:
+            return IntegrityError(f"slot holds block {found.hex()}, not {key.hex()}", where)
+        if outcome == VERIFY_CHECKSUM:
+            return IntegrityError("payload checksum mismatch", where)
+        return IntegrityError(
+            f"payload of {payload_bytes} bytes, expected {self._block_bytes}", where
+        )
+
+    # -- stores -------------------------------------------------------------------------
+
     def _start_stores(self, ops: list[_BlockOp]) -> None:
         if any(op.error is not None for op in ops):
             for op in ops:
                 if op.error is not None:
-                    self._block_done(op, op.error)
+                    self._store_done(op, op.error)
             ops = [op for op in ops if op.error is None]
         if self._slots.clearing:
             # (When the slot's previous block is being cleared, the write
             # waits: it could land before the zeros, which would erase it.)
             ops = [op for op in ops if not self._slots.after_clearing(op.slot, self._later(op))]
-        if ops:
-            self._start(False, ops)
+        if not ops:
+            return
+        try:
+            self._submit_stores(ops)
+        except Exception as exc:
+            err = exc if isinstance(exc, KVTierError) else self._internal_error(exc, len(ops))
+            for op in ops:
+                self._store_done(op, err)
 
     def _later(self, op: _BlockOp) -> Callable[[], None]:
         """Start ``op`` (counted active already) once its slot is cleared."""
         return lambda: self._start_stores([op])
 
-    def _submit(self, read: bool, ops: list[_BlockOp]) -> None:
+    def _submit_stores(self, ops: list[_BlockOp]) -> None:
         """Hand ``ops`` to the engine as one batch: header page and payload per block."""
-        run = _Run(ops, self._pages.take_many(len(ops)), self._pages)
-        if not read:
-            seal_headers(
-                run.pages,
-                run.keys,
-                self._namespace,
-                self._block_bytes,
-                [op.checksum for op in ops],
-                int(time.time()),
-            )
-        for op, number in zip(ops, run.numbers, strict=True):
-            op.page = number
+        run = _Run(ops, self._pages.take_many(len(ops)))
+        seal_headers(
+            run.pages,
+            run.keys,
+            self._namespace,
+            self._block_bytes,
+            [op.checksum for op in ops],
+            int(time.time()),
+        )
+        for op, page in zip(ops, run.pages, strict=True):
+            op.page = page
         file_bytes = self._file_bytes
         try:
             self._engine.submit_many(
-                read,
+                False,
                 self._fd,
                 [[page, op.view] for page, op in zip(run.pages, ops, strict=True)],
                 [op.slot * file_bytes for op in ops],
-                lambda done: self._ended(run, done),
+                lambda done: self._stores_ended(run, done),
                 alignment=self._io_alignment,
             )
         except BaseException:
             for op in ops:
-                op.page = -1
-            self._pages.give_many(run.numbers)
+                op.page = None
+            self._pages.give_many(run.pages)
             raise
 
-    def _ended(self, run: _Run, done: list[tuple[int, int, BaseException | None]]) -> None:
-        """Requests of ``run`` reaped: verify the loads, then settle every block."""
+    def _stores_ended(self, run: _Run, done: list[tuple[int, int, BaseException | None]]) -> None:
+        """Writes of ``run`` reaped: settle every block (or wait for its fsync)."""
         ops = run.ops
         file_bytes = self._file_bytes
-        whole = [i for i, n, e in done if n == file_bytes and e is None]
-        errors: dict[int, KVTierError] = {}
+        whole = [ops[i] for i, n, e in done if n == file_bytes and e is None]
+        if self._fsync:
+            self._wait_sync(whole)
+        else:
+            self._stores_ok(whole)
         if len(whole) < len(done):
             for i, nbytes, exc in done:
                 if exc is not None or nbytes != file_bytes:
-                    errors[i] = self._transfer_error(ops[i], nbytes, exc)
-        if ops[0].store:
-            if self._fsync:
-                self._wait_sync([ops[i] for i in whole])
-            else:
-                self._settle_ok(True, [ops[i] for i in whole])
-        else:
-            # Verified here, as soon as the reads are reaped and before any block
-            # is reported: no caller ever sees an unchecked block.
-            bad = verify_blocks(run.pages, run.keys, self._namespace, run.views, whole)
-            for i, outcome in bad:
-                errors[i] = self._verify_error(ops[i], outcome)
-            if bad:
-                failed = {i for i, _ in bad}
-                whole = [i for i in whole if i not in failed]
-            self._settle_ok(False, [ops[i] for i in whole])
-        for i, err in errors.items():
-            op = ops[i]
-            if isinstance(err, IntegrityError | NamespaceMismatchError) and op.page >= 0:
-                self._quarantine.keep(
-                    op.slot, op.key, self._pages.view(op.page), op.view, type(err).__name__
-                )
-            self._block_done(op, err)
+                    op = ops[i]
+                    err = self._transfer_error(True, op.slot * file_bytes, nbytes, exc)
+                    self._store_done(op, err)
 
-    def _transfer_error(self, op: _BlockOp, nbytes: int, exc: BaseException | None) -> KVTierError:
+    def _transfer_error(
+        self, store: bool, offset: int, nbytes: int, exc: BaseException | None
+    ) -> KVTierError:
+        slot = offset // self._file_bytes
         if exc is not None:
-            return self._io_error(exc, f"{'writing' if op.store else 'reading'} slot {op.slot}")
-        what = "write" if op.store else "read"
-        text = f"short {what} of slot {op.slot}: {nbytes} of {self._file_bytes} bytes"
-        if op.store:
+            return self._io_error(exc, f"{'writing' if store else 'reading'} slot {slot}")
+        what = "write" if store else "read"
+        text = f"short {what} of slot {slot}: {nbytes} of {self._file_bytes} bytes"
+        if store:
             return TierIOError(0, text, self._slots.path)
         return IntegrityError(text, self._slots.path)
 
-    def _settle_ok(self, store: bool, ops: list[_BlockOp]) -> None:
-        """:meth:`_block_done` of blocks that all succeeded, the counters and the
+    def _stores_ok(self, ops: list[_BlockOp]) -> None:
+        """:meth:`_store_done` of blocks that all succeeded, the counters and the
         residency updated once for all of them."""
         if not ops:
             return
         keys = [op.key for op in ops]
-        self._pages.give_many([op.page for op in ops if op.page >= 0])
-        if store:
-            self._manager.complete_store(keys, success=True)
-            self.stores += len(ops)
-            self.bytes_written += len(ops) * self._block_bytes
-        else:
-            self._manager.complete_load(keys)
-            self.hits += len(ops)
-            self.bytes_read += len(ops) * self._block_bytes
+        self._pages.give_many([op.page for op in ops if op.page is not None])
+        self._manager.complete_store(keys, success=True)
+        self.stores += len(ops)
+        self.bytes_written += len(ops) * self._block_bytes
         self._slots.released_many(keys)
         syncing = 0
         job = ops[0].job
         start = 0  # of the run of blocks of one job, counted together
         for i, op in enumerate(ops):
-            op.page = -1
+            op.page = None
             if op.syncing:
                 op.syncing = False
                 syncing += 1
@@ -533,7 +693,7 @@ class Pipeline:
                 job, start = op.job, i
         self._count_ok(job, keys[start:] if start else keys)
         self._active -= len(ops) - syncing
-        self._busy_end(store, len(ops))
+        self._busy_end(True, len(ops))
         self._pump()
         self._on_settled()
 
@@ -548,9 +708,9 @@ class Pipeline:
         """Written blocks of ``durability="fsync"``: done once a shared fsync flushes them."""
         if not ops:
             return
-        self._pages.give_many([op.page for op in ops])
+        self._pages.give_many([op.page for op in ops if op.page is not None])
         for op in ops:
-            op.page = -1
+            op.page = None
             # The I/O slot is free once the data is written: a flush shared by
             # the blocks written meanwhile must not hold back the next writes.
             op.syncing = True
@@ -582,69 +742,36 @@ class Pipeline:
     def _synced(self, ops: list[_BlockOp], exc: BaseException | None) -> None:
         self._sync_running = None
         if exc is None:
-            self._settle_ok(True, ops)
+            self._stores_ok(ops)
         else:
             err = self._io_error(exc, "fsync")
             for op in ops:
-                self._block_done(op, err)
+                self._store_done(op, err)
         self._start_sync()
 
-    def _verify_error(self, op: _BlockOp, outcome: int) -> KVTierError:
-        """The error of a block that failed :func:`verify_block` (the failure path only)."""
-        where = f"{self._slots.path} slot {op.slot}"
-        page = self._pages.view(op.page)
-        if outcome == VERIFY_HEADER:
-            try:
-                decode_header_fields(page)
-            except HeaderError as exc:
-                return IntegrityError(f"bad block header ({exc})", where)
-            return IntegrityError("bad block header", where)
-        key, namespace, payload_bytes, _, _ = decode_header_fields(page)
-        if outcome == VERIFY_NAMESPACE:
-            return NamespaceMismatchError(
-                f"{where} holds a block of namespace {namespace.hex()}, not {self._namespace.hex()}"
-            )
-        if outcome == VERIFY_KEY:
-            return IntegrityError(f"slot holds block {key.hex()}, not {op.key.hex()}", where)
-        if outcome == VERIFY_CHECKSUM:
-            return IntegrityError("payload checksum mismatch", where)
-        return IntegrityError(
-            f"payload of {payload_bytes} bytes, expected {self._block_bytes}", where
-        )
-
-    def _release_page(self, op: _BlockOp) -> None:
-        if op.page >= 0:
+    def _store_done(self, op: _BlockOp, err: KVTierError | None) -> None:
+        """One block of a store ended on its own (it failed, or waited for its slot)."""
+        if op.page is not None:
             self._pages.give(op.page)
-            op.page = -1
-
-    def _block_done(self, op: _BlockOp, err: KVTierError | None) -> None:
-        self._release_page(op)
+            op.page = None
         job = op.job
         key = op.key
-        if op.store:
-            self._manager.complete_store([key], success=err is None)
-            if err is None:
-                self.stores += 1
-                self.bytes_written += self._block_bytes
-            else:
-                self.store_failures += 1
-                # What the failed write left in the slot is unknown: clear it so
-                # that a restart cannot find a block nobody stored.
-                self._slots.zero(op.slot)
+        self._manager.complete_store([key], success=err is None)
+        if err is None:
+            self.stores += 1
+            self.bytes_written += self._block_bytes
         else:
-            self._manager.complete_load([key])
-            if err is None:
-                self.hits += 1
-                self.bytes_read += self._block_bytes
-            elif key in self._manager and self._manager.is_ready(key):
-                self._slots.forget([key])
+            self.store_failures += 1
+            # What the failed write left in the slot is unknown: clear it so
+            # that a restart cannot find a block nobody stored.
+            self._slots.zero(op.slot)
         self._slots.released(key)
         if err is None:
             job.ok.append(key)
         else:
             job.failed[key] = err
             log.warning("file tier: block %s: %s", key.hex(), err)
-        self._busy_end(op.store, 1)
+        self._busy_end(True, 1)
         if op.syncing:
             op.syncing = False
         else:

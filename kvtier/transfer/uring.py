@@ -150,6 +150,8 @@ class UringEngine(IOEngine):
         self._queued = 0
         self._next_id = 1
         self._flush_scheduled = False
+        self._reaping = False
+        """True while completions are handed out: _on_eventfd flushes what they queue."""
         self._released = False
         self._idle: asyncio.Future[None] | None = None
         # Registered memory: each owner's exports and (address, length) spans,
@@ -304,9 +306,11 @@ class UringEngine(IOEngine):
         self._batches[ident] = batch
         self._queue.append(batch)
         self._queued += batch.left
-        if not self._flush_scheduled:
+        if not self._flush_scheduled and not self._reaping:
             # Deferred to the end of this loop iteration so that every request
-            # made in it goes to the kernel in one io_uring_enter.
+            # made in it goes to the kernel in one io_uring_enter. (Requests
+            # made by the callbacks of a reap go in at its end, without another
+            # turn of the loop.)
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
@@ -416,15 +420,19 @@ class UringEngine(IOEngine):
             # 2 MiB takes ~2 ms) then overlaps the device's next requests
             # instead of leaving it idle.
             self._flush()
-        for batch in touched:
-            if batch.kind == _READ:
-                self._bytes_read += batch.moved
-            elif batch.kind == _WRITE:
-                self._bytes_written += batch.moved
-            batch.moved = 0
-            self._report(batch)
-        if self._queue:
-            self._flush()
+        self._reaping = True
+        try:
+            for batch in touched:
+                if batch.kind == _READ:
+                    self._bytes_read += batch.moved
+                elif batch.kind == _WRITE:
+                    self._bytes_written += batch.moved
+                batch.moved = 0
+                self._report(batch)
+        finally:
+            self._reaping = False
+            if self._queue:
+                self._flush()
         if not self._in_flight and self._idle is not None and not self._idle.done():
             self._idle.set_result(None)
 

@@ -604,6 +604,41 @@ async def test_more_blocks_than_capacity_fail_as_capacity(open_tier: OpenTier) -
 # -- failures per block -----------------------------------------------------------------
 
 
+async def test_reads_refused_at_submission_fail_every_run_and_pin_nothing(
+    open_tier: OpenTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load of more blocks than fit in flight starts a run at a time; when the
+    engine refuses each run's batch, the failure of one run starts the next
+    (inside the pump that started it), every block ends exactly once, and the
+    blocks stay: nothing was read, so nothing says they are bad."""
+    tier = await open_tier()
+    ks = keys(16)  # queue depth 4: 8 blocks in flight, so two runs
+    assert (await tier.store(ks, pattern_rows(ks).rows())).stored == tuple(ks)
+    engine = tier._pipeline._engine
+    real, refused = engine.submit_many, [0]
+
+    def refuse_reads(read: bool, *args: Any, **kw: Any) -> None:
+        if read:
+            refused[0] += 1
+            raise RuntimeError("simulated bug")
+        real(read, *args, **kw)
+
+    monkeypatch.setattr(engine, "submit_many", refuse_reads)
+    result = await tier.load(ks, Rows(16).rows())
+    assert refused[0] == 2
+    assert result.loaded == ()
+    assert set(result.missing) == set(ks)
+    assert all("internal error" in str(e) for e in result.missing.values())
+    assert all(tier._manager.pins(k) == 0 for k in ks)
+    assert tier.statistics().misses == 16
+    assert all(k in tier for k in ks)
+    monkeypatch.setattr(engine, "submit_many", real)
+    # Nothing stored was lost: the same blocks load, sound.
+    dst = Rows(16)
+    assert (await tier.load(ks, dst.rows())).loaded == tuple(ks)
+    assert dst.map[:] == pattern_rows(ks).map[:]
+
+
 async def test_a_bug_in_a_worker_call_fails_its_blocks_and_the_tier_goes_on(
     open_tier: OpenTier, monkeypatch: pytest.MonkeyPatch
 ) -> None:
