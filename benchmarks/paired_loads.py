@@ -1,0 +1,174 @@
+"""Two checkouts' verified loads at the same time on one CPU: their CPU per GB, and the ratio.
+
+Run from the repository root::
+
+    git worktree add /tmp/before HEAD~1 && (cd /tmp/before && python setup.py build_ext --inplace)
+    .venv/bin/python benchmarks/paired_loads.py --a /tmp/before --b . --block 256K
+
+On this shared VM a checkout's CPU per GB of loads moves by 10-20% from one
+run to the next, more than most changes worth measuring, so two runs one
+after the other cannot tell a 5% change from noise. Here both checkouts load
+at once, each in its own process, pinned to the same CPU (``--cpu``, by
+default one that does not take the disk's interrupts): whatever else the
+machine does then weighs on both alike, and the ratio of their CPU per GB
+repeats within about 1% (the same checkout on both sides: 0.996-1.004).
+
+Each process imports kvtier from its checkout (and says which file it ran:
+a script that imports ``benchmarks/file_tier.py`` first gets the repository
+it lives in instead), opens a file tier of ``--total`` bytes of
+``--block`` blocks (io_uring, depth 32, rows registered), stores every
+block, waits until both are ready, then loads the whole tier again and
+again for ``--seconds``; its CPU time (all threads) over the bytes loaded is
+its figure. The two share the disk too, so each one's GB/s is about half of
+what it reaches alone; compare CPU per GB, not throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def child(args: argparse.Namespace) -> None:
+    """One side: import kvtier from ``--root``, fill a tier, wait for the go, load."""
+    root = Path(args.root).resolve()
+    sys.path.insert(0, str(root))
+    import kvtier  # from the checkout under test, before file_tier puts its own first
+
+    sys.path.insert(1, str(HERE))
+    import file_tier as bench
+
+    from kvtier.tiers.file_tier import FileTier
+
+    async def run() -> dict[str, object]:
+        bs, total = bench.parse_size(args.block), bench.parse_size(args.total)
+        n = total // bs
+        region = bench.thp_buffer(total)
+        view = memoryview(region)
+        rows = [view[i * bs : (i + 1) * bs] for i in range(n)]
+        keys = [i.to_bytes(16, "little") for i in range(n)]
+        work = Path(tempfile.mkdtemp(prefix="paired-", dir=args.dir))
+        config = bench.tier_config(work, "io_uring", bs, 32, n)
+        tier = await FileTier.open(config, bench.layout(), block_bytes=bs)
+        tier.register_memory([region])
+        batch = max(1, min(256, (64 << 20) // bs))
+        try:
+            for i in range(0, n, batch):
+                if (await tier.store(keys[i : i + batch], rows[i : i + batch])).failed:
+                    raise RuntimeError("store failed")
+            print("ready", flush=True)
+            sys.stdin.readline()  # the go, sent once both sides are ready
+            moved, cpu0, t0 = 0, time.process_time(), time.perf_counter()
+            while time.perf_counter() - t0 < args.seconds:
+                parts = [
+                    tier.load(keys[i : i + batch], rows[i : i + batch]) for i in range(0, n, batch)
+                ]
+                for part in parts:
+                    if (await part).missing:
+                        raise RuntimeError("load failed")
+                moved += n * bs
+            cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+        finally:
+            await tier.aclose()
+            shutil.rmtree(work, ignore_errors=True)
+        return {
+            "kvtier": kvtier.__file__,
+            "cpu_s_per_gb": cpu / (moved / 1e9),
+            "gbps": moved / 1e9 / wall,
+        }
+
+    print(json.dumps(asyncio.run(run())), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--a", type=Path, help="the checkout to compare against (built)")
+    parser.add_argument("--b", type=Path, help="the checkout measured against --a (built)")
+    parser.add_argument("--block", default="256K", help="block size: 256K, 2M, or bytes")
+    parser.add_argument("--total", default="1G", help="tier size, each side")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--cpu", type=int, default=None, help="default: one without disk IRQs")
+    parser.add_argument("--dir", type=Path, default=Path("/var/tmp/kvtier-bench"))
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--root", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    if args.a is None or args.b is None:
+        parser.error("--a and --b are required")
+    args.dir.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(HERE))
+    import file_tier as bench  # (this process measures nothing: its kvtier does not matter)
+
+    if args.cpu is None:
+        cpus, _ = bench.pick_cpus("auto", args.dir)
+        args.cpu = cpus[0]
+    block, total = bench.parse_size(args.block), bench.parse_size(args.total)
+    print(f"block {bench.fmt(block)}, tier {bench.fmt(total)} each, CPU {args.cpu}")
+    ratios = []
+    for r in range(args.rounds):
+        procs = []
+        # The side started first alternates between rounds.
+        for root in (args.a, args.b) if r % 2 == 0 else (args.b, args.a):
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--child",
+                "--root",
+                str(root),
+                *("--block", str(block), "--total", str(total)),
+                *("--seconds", str(args.seconds), "--dir", str(args.dir)),
+            ]
+            procs.append(
+                (
+                    root,
+                    subprocess.Popen(
+                        ["taskset", "-c", str(args.cpu), *cmd],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    ),
+                )
+            )
+        try:
+            for _, proc in procs:
+                assert proc.stdout is not None
+                if proc.stdout.readline().strip() != "ready":
+                    raise SystemExit(f"a side failed to start (exit {proc.wait()})")
+            for _, proc in procs:
+                assert proc.stdin is not None
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            out = {}
+            for root, proc in procs:
+                assert proc.stdout is not None
+                out[root] = json.loads(proc.stdout.readline())
+                proc.wait()
+        finally:
+            for _, proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+        a, b = out[args.a], out[args.b]
+        ratios.append(float(b["cpu_s_per_gb"]) / float(a["cpu_s_per_gb"]))
+        ran = [Path(str(side["kvtier"])).parent.parent for side in (a, b)]
+        print(
+            f"round {r + 1}: a {a['cpu_s_per_gb']:.4f} CPU s/GB ({a['gbps']:.2f} GB/s, {ran[0]}), "
+            f"b {b['cpu_s_per_gb']:.4f} ({b['gbps']:.2f} GB/s, {ran[1]}): b / a {ratios[-1]:.3f}"
+        )
+    print(f"b / a CPU per GB: median {statistics.median(ratios):.3f} over {len(ratios)} rounds")
+
+
+if __name__ == "__main__":
+    main()
