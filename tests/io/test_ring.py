@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import kvtier.transfer._ring as ring_module
 from kvtier.transfer._ring import OP_NOP, OP_READV, Ring
 from kvtier.transfer.io_engine import probe_io_uring
 
@@ -66,6 +67,41 @@ def test_completions_signal_the_registered_eventfd() -> None:
         ring.close()
     assert ring.fd == -1
     ring.close()  # twice is fine
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    release = os.uname().release.split("-")[0].split(".")
+    return (int(release[0]), int(release[1])) >= (major, minor)
+
+
+def _nop_round_trip(ring: Ring) -> None:
+    ring.prep(OP_NOP, -1, 0, 0, 0, 7)
+    ring.submit()
+    ring.wait()
+    assert list(ring.reap()) == [(7, 0)]
+
+
+@pytest.mark.skipif(not _kernel_at_least(5, 19), reason="IORING_SETUP_COOP_TASKRUN is Linux 5.19")
+def test_the_ring_is_cooperative_where_the_kernel_has_it() -> None:
+    ring = Ring(4)
+    try:
+        assert ring.cooperative
+        _nop_round_trip(ring)  # posted at the next entry into the kernel
+    finally:
+        ring.close()
+
+
+def test_a_kernel_refusing_the_setup_flags_gets_a_plain_ring(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A flag no kernel knows: refused with EINVAL, as 5.1-5.18 refuse COOP_TASKRUN.
+    monkeypatch.setattr(ring_module, "SETUP_FLAGS", 1 << 31)
+    ring = Ring(4)
+    try:
+        assert not ring.cooperative
+        _nop_round_trip(ring)
+    finally:
+        ring.close()
 
 
 _Runs = list[tuple[int, list[tuple[int, int, BaseException | None]], int, int]]
