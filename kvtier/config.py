@@ -160,9 +160,10 @@ class FileTierConfig(_Frozen):
     I/O with a warning; ``off``: buffered I/O."""
     queue_depth: QueueDepth = "auto"
     """Most I/O requests in flight at once: an int of 1..4096, or ``auto``, which
-    measures the depths 1 to 32 on the tier's own slot file at open and takes the
-    deepest whose best round is within 10% of the fastest depth's typical rate
-    (32 where the file is too small to measure or is not O_DIRECT)."""
+    measures the depths 1 to 32 (and 64 for blocks of 256 KiB up to 2 MiB) on the
+    tier's own slot file at open and takes the deepest whose best round is within
+    10% of the fastest depth's typical rate (32 where the file is too small to
+    measure or is not O_DIRECT)."""
     durability: DurabilityMode = "none"
     """``fsync``: the slot file is fsynced before a written block becomes visible
     (survives power loss; one flush per group of blocks written meanwhile);

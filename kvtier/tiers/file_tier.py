@@ -79,11 +79,11 @@ from kvtier.tiers.base import LoadResult, StoreResult, Tier
 from kvtier.transfer._ring import MAX_FIXED_BYTES, SPLIT_MIN
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import (
-    QUEUE_DEPTHS,
     DepthProbe,
     IOEngine,
     measure_queue_depth,
     open_io_engine,
+    probe_depths,
 )
 
 __all__ = [
@@ -343,7 +343,9 @@ class FileTier(Tier):
         format version 1 (one file per block) is discarded with a warning.
 
         With ``config.queue_depth="auto"`` (and no ``io_engine`` given), the
-        open first times the depths 1 to 32 on the slot file itself: zeros
+        open first times the depths 1 to 32 (and 64 for blocks of 256 KiB up to
+        2 MiB, :func:`~kvtier.transfer.io_engine.probe_depths`) on the slot
+        file itself: zeros
         written over never-written slots (which read as zeros already, so
         nothing a reader or the recovery sees changes), else reads of slots
         holding data; see ``docs/file-tier.md``, "Queue depth".
@@ -813,7 +815,8 @@ async def _measure_depth(
     # other slots than the one before (a cache under the disk would time
     # itself, not the device).
     length = min(length, want if write else 6 * want) // slot_bytes * slot_bytes
-    engine = await open_io_engine(config.io_engine, queue_depth=max(QUEUE_DEPTHS))
+    depths = probe_depths(slot_bytes)
+    engine = await open_io_engine(config.io_engine, queue_depth=max(depths))
     try:
         probe = await measure_queue_depth(
             engine,
@@ -823,6 +826,7 @@ async def _measure_depth(
             request_bytes=slot_bytes,
             write=write,
             alignment=alignment,
+            depths=depths,
             warm_up=write,
         )
     except (OSError, KVTierError) as exc:

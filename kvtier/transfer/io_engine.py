@@ -57,6 +57,7 @@ __all__ = [
     "choose_depth",
     "measure_queue_depth",
     "open_io_engine",
+    "probe_depths",
     "probe_io_uring",
 ]
 
@@ -67,6 +68,44 @@ EngineKind = Literal["auto", "io_uring", "threads"]
 
 QUEUE_DEPTHS = (1, 4, 8, 16, 32)
 """The depths :func:`measure_queue_depth` tries by default."""
+
+DEEP_DEPTH = 64
+"""The depth :func:`probe_depths` adds for mid-sized requests."""
+
+_DEEP_QUEUE_BYTES = (8 << 20, 64 << 20)
+"""Bytes a queue of 32 holds, from (inclusive) and below, where DEEP_DEPTH is tried."""
+
+
+def probe_depths(request_bytes: int) -> tuple[int, ...]:
+    """The depths worth timing for requests of ``request_bytes``.
+
+    :data:`QUEUE_DEPTHS`, and :data:`DEEP_DEPTH` where a queue of 32 holds 8
+    to 64 MiB (requests of 256 KiB up to 2 MiB). On this project's virtio disk
+    the requests of a queue complete in one burst, so the event loop wakes
+    once per queue, and each wake-up costs CPU whatever it reaps (the caches
+    it finds cold). There, 64 in flight against 32 read 256 KiB blocks through
+    the tier at 0.90-0.99x the CPU per GB and wrote them at 0.87-0.96x, 1 MiB
+    blocks at 0.91x and 0.88x, at the same rate or faster (docs/file-tier.md,
+    run 16). Not below:
+    at 64 KiB a reap's per-block work outweighs the wake-up, and 64 cost 1.17x
+    the CPU of 32; not from 2 MiB, where a queue of 32 already wakes the loop
+    a few times per GB, and a probe step at 64 would move 256 MiB.
+
+    Parameters
+    ----------
+    request_bytes
+        Bytes per request (a tier's slot).
+
+    Returns
+    -------
+    tuple[int, ...]
+        Depths, ascending.
+    """
+    low, high = _DEEP_QUEUE_BYTES
+    if low <= 32 * request_bytes < high:
+        return (*QUEUE_DEPTHS, DEEP_DEPTH)
+    return QUEUE_DEPTHS
+
 
 _STEP_BYTES = 32 << 20
 """Bytes moved at each depth tried, per round, at least (two full queues where that is more)."""

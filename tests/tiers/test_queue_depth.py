@@ -20,10 +20,12 @@ from kvtier.testing.faults import FaultPlan, FaultyIOEngine
 from kvtier.tiers._slots import data_runs, probe_range
 from kvtier.tiers.file_tier import AUTO_DEPTH_FALLBACK, FileTier
 from kvtier.transfer.io_engine import (
+    DEEP_DEPTH,
     QUEUE_DEPTHS,
     choose_depth,
     measure_queue_depth,
     open_io_engine,
+    probe_depths,
 )
 
 BLOCK = 64 * 1024
@@ -105,6 +107,45 @@ async def test_auto_measures_and_keeps_the_blocks(tmp_path: Path) -> None:
         loaded = await tier.load(keys, views)
         assert loaded.loaded == tuple(keys)
         assert all(view[0] == (i + 1) % 256 for i, view in enumerate(views))
+    finally:
+        await tier.aclose()
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "deep"),
+    [
+        (SLOT, False),
+        (256 * 1024 - 4096, False),
+        (256 * 1024, True),
+        (4096 + 256 * 1024, True),
+        (4096 + 1024 * 1024, True),
+        (2 * 1024 * 1024 - 4096, True),
+        (2 * 1024 * 1024, False),
+        (4096 + 8 * 1024 * 1024, False),
+    ],
+)
+def test_probe_depths_adds_the_deep_queue_for_mid_sized_requests(
+    request_bytes: int, deep: bool
+) -> None:
+    assert probe_depths(request_bytes) == QUEUE_DEPTHS + ((DEEP_DEPTH,) if deep else ())
+
+
+async def test_auto_times_the_deep_queue_for_256_kib_blocks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The open's probe at 256 KiB times depth 64 as well, and chooses among what it timed."""
+    block = 256 * 1024
+    slots = (64 << 20) // (4096 + block) + 8
+    cfg = FileTierConfig(
+        root=tmp_path, bytes_to_use=FileTier.budget_for(slots, block), direct_io="require"
+    )
+    with caplog.at_level("INFO", logger="kvtier.file_tier"):
+        tier = await FileTier.open(cfg, layout(), block_bytes=block)
+    try:
+        assert tier.statistics().queue_depth in probe_depths(4096 + block)
+        (line,) = [r.getMessage() for r in caplog.records if "GB/s by depth" in r.getMessage()]
+        timed = [int(part.split(":")[0]) for part in line.split("GB/s by depth: ")[1].split(", ")]
+        assert timed == [*QUEUE_DEPTHS, DEEP_DEPTH]
     finally:
         await tier.aclose()
 
