@@ -25,7 +25,7 @@ What is measured, for block sizes 64 KiB, 256 KiB, 2 MiB, 8 MiB:
   it (ascending, then descending the next repeat).
 * kvtier's :class:`~kvtier.tiers.file_tier.FileTier`, both I/O engines
   (``--quick``: io_uring only), at every depth ``"auto"`` may choose (1, 4, 8,
-  16, 32, and 64 at 256 KiB: ``probe_depths``): filling a fresh tier,
+  16, 32, and on io_uring 64 at 256 KiB: ``probe_depths``): filling a fresh tier,
   overwriting it (steady state: every store evicts), and loading it
   (verified), as whole blocks in the slots of its preallocated file, from and
   into an anonymous ``MAP_PRIVATE`` mapping with ``MADV_HUGEPAGE``. CPU
@@ -114,14 +114,14 @@ DEPTHS = (1, 4, 32)
 """fio's depths (and DEEP_DEPTH where the tier may choose it: :func:`fio_depths`)."""
 
 
-def tier_depths(bs: int) -> tuple[int, ...]:
-    """The tier's fixed depths at ``bs``: every depth ``queue_depth="auto"`` may choose."""
-    return probe_depths(HEADER_BYTES + bs)  # the probe's requests are slots
+def tier_depths(bs: int, engine: str) -> tuple[int, ...]:
+    """The tier's fixed depths at ``bs`` on ``engine``: every depth ``"auto"`` may choose."""
+    return probe_depths(HEADER_BYTES + bs, engine)  # the probe's requests are slots
 
 
 def fio_depths(bs: int) -> tuple[int, ...]:
-    """fio's depths at ``bs``: :data:`DEPTHS`, and the tier's deepest where it is deeper."""
-    return DEPTHS + ((DEEP_DEPTH,) if DEEP_DEPTH in tier_depths(bs) else ())
+    """fio's depths at ``bs``: :data:`DEPTHS`, and io_uring's deepest where it is deeper."""
+    return DEPTHS + ((DEEP_DEPTH,) if DEEP_DEPTH in tier_depths(bs, "io_uring") else ())
 
 
 FRESH = ("fresh", "unwritten", "written")
@@ -865,7 +865,7 @@ def main() -> None:
             # (the machine's load drifts between repeats more than the depths
             # differ at 256 KiB).
             probes = []
-            fixed_depths = tier_depths(bs)
+            fixed_depths = tier_depths(bs, engine)
             tier_runs: dict[int, list[TierRun]] = {d: [] for d in fixed_depths}
             for rep in range(repeat):
                 probes.append(asyncio.run(auto_depth(args.dir, engine, bs, total)))
@@ -919,7 +919,7 @@ def main() -> None:
     print("|---|---|---|---|---|" + "---|---|---|" * len(engines) + "---|")
     for rw in ("write", "read", "fill"):
         for bs in SIZES:
-            for depth in tier_depths(bs):
+            for depth in sorted({d for e in engines for d in tier_depths(bs, e)}):
                 peer: Figure | None
                 if rw == "fill":
                     peer = fresh_rows.get(("fresh", bs)) if depth == 32 else None
@@ -931,10 +931,13 @@ def main() -> None:
                 line = f"| {rw} | {fmt(bs)} | {depth}{'*' if picked else ''} | "
                 line += f"{peer.gbps:.2f} | {peer.cpu_s_per_gb:.3f} |" if peer else "- | - |"
                 for engine in engines:
-                    got = tier_rows[(engine, rw, bs, depth)]
+                    got = tier_rows.get((engine, rw, bs, depth))  # (not every engine's depth)
+                    if got is None:
+                        line += " - | - | - |"
+                        continue
                     ratio = f"{got.gbps / peer.gbps:.2f}" if peer else "-"
                     line += f" {got.gbps:.2f} | {ratio} | {got.cpu_s_per_gb:.3f} |"
-                noise = [raw.get(fio_key)] + [raw[f"{e}/{rw}/{bs}/{depth}"] for e in engines]
+                noise = [raw.get(fio_key)] + [raw.get(f"{e}/{rw}/{bs}/{depth}") for e in engines]
                 line += " " + " / ".join(f"{spread(n):.0%}" if n else "-" for n in noise) + " |"
                 print(line)
     print("write = full tier, each store evicts a block and overwrites its slot (steady state),")
@@ -1030,12 +1033,13 @@ def main() -> None:
             )
         for bs in (256 * KiB, 2 * MiB, 8 * MiB):
             for op in ("write", "read"):
-                by_depth = {d: tier_rows[(engine, op, bs, d)].gbps for d in tier_depths(bs)}
+                depths = tier_depths(bs, engine)
+                by_depth = {d: tier_rows[(engine, op, bs, d)].gbps for d in depths}
                 # The best fixed depth: the fastest median over the repeats.
                 best = max(by_depth, key=lambda d: by_depth[d])
                 # Each repeat: the rate at the depth that repeat's open chose
                 # over the best depth's rate in the same repeat; then the median.
-                runs_at = {d: raw[f"{engine}/{op}/{bs}/{d}"] for d in tier_depths(bs)}
+                runs_at = {d: raw[f"{engine}/{op}/{bs}/{d}"] for d in depths}
                 per = [
                     runs_at[c][r].gbps / runs_at[best][r].gbps
                     for r, c in enumerate(chosen[(engine, bs)])
@@ -1043,7 +1047,7 @@ def main() -> None:
                 # The same against the fastest depth of each repeat (whichever
                 # it was): stricter, since a tie then loses to the noise.
                 vs_max = [
-                    runs_at[c][r].gbps / max(runs_at[d][r].gbps for d in tier_depths(bs))
+                    runs_at[c][r].gbps / max(runs_at[d][r].gbps for d in depths)
                     for r, c in enumerate(chosen[(engine, bs)])
                 ]
                 paired = statistics.median(per)

@@ -160,8 +160,8 @@ class FileTierConfig(_Frozen):
     I/O with a warning; ``off``: buffered I/O."""
     queue_depth: QueueDepth = "auto"
     """Most I/O requests in flight at once: an int of 1..4096, or ``auto``, which
-    measures the depths 1 to 32 (and 64 for blocks of 256 KiB up to 2 MiB) on the
-    tier's own slot file at open and takes the deepest whose best round is within
+    measures the depths 1 to 32 (and on io_uring 64 for blocks of 256 KiB up to
+    2 MiB) on the tier's own slot file at open and takes the deepest whose best round is within
     10% of the fastest depth's typical rate (32 where the file is too small to
     measure or is not O_DIRECT)."""
     durability: DurabilityMode = "none"

@@ -343,12 +343,12 @@ class FileTier(Tier):
         format version 1 (one file per block) is discarded with a warning.
 
         With ``config.queue_depth="auto"`` (and no ``io_engine`` given), the
-        open first times the depths 1 to 32 (and 64 for blocks of 256 KiB up to
-        2 MiB, :func:`~kvtier.transfer.io_engine.probe_depths`) on the slot
-        file itself: zeros
-        written over never-written slots (which read as zeros already, so
-        nothing a reader or the recovery sees changes), else reads of slots
-        holding data; see ``docs/file-tier.md``, "Queue depth".
+        open first times the depths 1 to 32 (and on io_uring 64 for blocks of
+        256 KiB up to 2 MiB, :func:`~kvtier.transfer.io_engine.probe_depths`)
+        on the slot file itself: zeros written over never-written slots (which
+        read as zeros already, so nothing a reader or the recovery sees
+        changes), else reads of slots holding data; see ``docs/file-tier.md``,
+        "Queue depth".
 
         With ``config.recovery="background"`` that scan runs after ``open``
         returns: until it ends the tier knows no block (lookups miss, loads
@@ -815,8 +815,8 @@ async def _measure_depth(
     # other slots than the one before (a cache under the disk would time
     # itself, not the device).
     length = min(length, want if write else 6 * want) // slot_bytes * slot_bytes
-    depths = probe_depths(slot_bytes)
-    engine = await open_io_engine(config.io_engine, queue_depth=max(depths))
+    engine = await open_io_engine(config.io_engine, queue_depth=max(probe_depths(slot_bytes)))
+    depths = probe_depths(slot_bytes, engine.name)
     try:
         probe = await measure_queue_depth(
             engine,

@@ -76,25 +76,29 @@ _DEEP_QUEUE_BYTES = (8 << 20, 64 << 20)
 """Bytes a queue of 32 holds, from (inclusive) and below, where DEEP_DEPTH is tried."""
 
 
-def probe_depths(request_bytes: int) -> tuple[int, ...]:
-    """The depths worth timing for requests of ``request_bytes``.
+def probe_depths(request_bytes: int, engine: str = "io_uring") -> tuple[int, ...]:
+    """The depths worth timing for requests of ``request_bytes`` on ``engine``.
 
-    :data:`QUEUE_DEPTHS`, and :data:`DEEP_DEPTH` where a queue of 32 holds 8
-    to 64 MiB (requests of 256 KiB up to 2 MiB). On this project's virtio disk
-    the requests of a queue complete in one burst, so the event loop wakes
-    once per queue, and each wake-up costs CPU whatever it reaps (the caches
-    it finds cold). There, 64 in flight against 32 read 256 KiB blocks through
-    the tier at 0.90-0.99x the CPU per GB and wrote them at 0.87-0.96x, 1 MiB
-    blocks at 0.91x and 0.88x, at the same rate or faster (docs/file-tier.md,
-    run 16). Not below:
-    at 64 KiB a reap's per-block work outweighs the wake-up, and 64 cost 1.17x
-    the CPU of 32; not from 2 MiB, where a queue of 32 already wakes the loop
-    a few times per GB, and a probe step at 64 would move 256 MiB.
+    :data:`QUEUE_DEPTHS`, and on io_uring :data:`DEEP_DEPTH` where a queue of
+    32 holds 8 to 64 MiB (requests of 256 KiB up to 2 MiB). On this project's
+    virtio disk the requests of a queue complete in one burst, so the event
+    loop wakes once per queue, and each wake-up costs CPU whatever it reaps
+    (the caches it finds cold). There, 64 in flight against 32 read 256 KiB
+    blocks through the tier at 0.90-1.04x the CPU per GB and wrote them at
+    0.87-0.96x, 1 MiB blocks at 0.91x and 0.88x, at the same rate or faster
+    (docs/file-tier.md, run 16). Not below: at 64 KiB a reap's per-block work
+    outweighs the wake-up, and 64 cost 1.17x the CPU of 32. Not from 2 MiB: a
+    queue of 32 there already wakes the loop a few times per GB, and a probe
+    step at 64 would move 256 MiB. Not on the thread engine, where each
+    request is a thread's system call: 64 threads wrote 256 KiB blocks at
+    0.91x the rate of 32 and 1.08x the CPU per GB.
 
     Parameters
     ----------
     request_bytes
         Bytes per request (a tier's slot).
+    engine
+        The engine's :attr:`IOEngine.name`.
 
     Returns
     -------
@@ -102,7 +106,7 @@ def probe_depths(request_bytes: int) -> tuple[int, ...]:
         Depths, ascending.
     """
     low, high = _DEEP_QUEUE_BYTES
-    if low <= 32 * request_bytes < high:
+    if engine == "io_uring" and low <= 32 * request_bytes < high:
         return (*QUEUE_DEPTHS, DEEP_DEPTH)
     return QUEUE_DEPTHS
 

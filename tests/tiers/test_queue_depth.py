@@ -26,6 +26,7 @@ from kvtier.transfer.io_engine import (
     measure_queue_depth,
     open_io_engine,
     probe_depths,
+    probe_io_uring,
 )
 
 BLOCK = 64 * 1024
@@ -128,24 +129,45 @@ def test_probe_depths_adds_the_deep_queue_for_mid_sized_requests(
     request_bytes: int, deep: bool
 ) -> None:
     assert probe_depths(request_bytes) == QUEUE_DEPTHS + ((DEEP_DEPTH,) if deep else ())
+    # Not for threads: a request each is a thread's system call.
+    assert probe_depths(request_bytes, "threads") == QUEUE_DEPTHS
 
 
-async def test_auto_times_the_deep_queue_for_256_kib_blocks(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+_NO_URING = probe_io_uring()
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param(
+            "io_uring",
+            marks=pytest.mark.skipif(_NO_URING is not None, reason=f"io_uring: {_NO_URING}"),
+        ),
+        "threads",
+    ],
+)
+async def test_auto_times_the_deep_queue_for_256_kib_blocks_on_io_uring_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, engine: str
 ) -> None:
-    """The open's probe at 256 KiB times depth 64 as well, and chooses among what it timed."""
+    """The open's probe at 256 KiB times what probe_depths names for its engine, and
+    chooses among what it timed."""
     block = 256 * 1024
     slots = (64 << 20) // (4096 + block) + 8
     cfg = FileTierConfig(
-        root=tmp_path, bytes_to_use=FileTier.budget_for(slots, block), direct_io="require"
+        root=tmp_path,
+        bytes_to_use=FileTier.budget_for(slots, block),
+        direct_io="require",
+        io_engine=engine,
     )
     with caplog.at_level("INFO", logger="kvtier.file_tier"):
         tier = await FileTier.open(cfg, layout(), block_bytes=block)
     try:
-        assert tier.statistics().queue_depth in probe_depths(4096 + block)
+        depths = probe_depths(4096 + block, engine)
+        assert depths == ((*QUEUE_DEPTHS, DEEP_DEPTH) if engine == "io_uring" else QUEUE_DEPTHS)
+        assert tier.statistics().queue_depth in depths
         (line,) = [r.getMessage() for r in caplog.records if "GB/s by depth" in r.getMessage()]
         timed = [int(part.split(":")[0]) for part in line.split("GB/s by depth: ")[1].split(", ")]
-        assert timed == [*QUEUE_DEPTHS, DEEP_DEPTH]
+        assert timed == list(depths)
     finally:
         await tier.aclose()
 
