@@ -20,8 +20,9 @@ call, the counters once). Only a failed block takes the path of its own. A
 load keeps no object per block (:class:`_Loads`: its blocks are positions in
 the lists the engine, the verification and the residency take): after each
 read the hashing has swept the CPU's caches, and each object a block touches
-is a cache miss (run 14 in ``docs/file-tier.md``). At most two blocks per
-engine slot are in flight; the rest wait in order. Each call is one job whose
+is a cache miss (run 14 in ``docs/file-tier.md``). At most four blocks per
+engine slot are in flight, a load call's in runs of at least two queues'
+worth; the rest wait in order. Each call is one job whose
 completion resolves once its last block is done, with a :class:`StoreResult`
 or :class:`LoadResult`.
 
@@ -214,7 +215,7 @@ class Pipeline:
     loop
         The loop the tier was opened on; completions resolve on it.
     engine
-        The I/O engine; two blocks per engine slot are in flight at most.
+        The I/O engine; four blocks per engine slot are in flight at most.
     slots
         The slot file the blocks are read from and written to.
     manager
@@ -258,9 +259,15 @@ class Pipeline:
         self._file_bytes = slots.file_bytes
         self._io_alignment = slots.io_alignment
         self._fd = slots.fd
-        # Two blocks per engine slot keep the queue full while completions are
-        # handled, and bound the header pages.
-        self._max_active = 2 * engine.queue_depth
+        # Four blocks per engine slot keep the queue full while completions are
+        # handled, and bound the header pages (4 KiB each).
+        self._max_active = 4 * engine.queue_depth
+        # A load call's blocks start in runs of at least two queues' worth (or
+        # the rest of the call): each engine batch is one report and one
+        # verification, and runs cut to whatever room a reap freed (about 40
+        # blocks at depth 64 on the virtio disk here) straddled reaps, each
+        # paying that twice (run 17 in docs/file-tier.md).
+        self._min_load_run = 2 * engine.queue_depth
         self._pages = _HeaderPages(self._max_active)
         self._pending: collections.deque[_BlockOp | _Loads] = collections.deque()
         self._active = 0
@@ -427,8 +434,11 @@ class Pipeline:
         while pending and (room := self._max_active - self._active - len(stores)) > 0:
             head = pending[0]
             if isinstance(head, _Loads):
-                count = min(room, len(head.keys) - head.next)
-                if head.next + count == len(head.keys):
+                left = len(head.keys) - head.next
+                count = min(room, left)
+                if count < min(left, self._min_load_run) and self._active:
+                    break  # (blocks in flight free more room: start a longer run then)
+                if count == left:
                     pending.popleft()  # before it starts, so a nested pump cannot see it
                 self._start_loads(head, count)
             else:

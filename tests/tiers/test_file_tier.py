@@ -604,6 +604,37 @@ async def test_more_blocks_than_capacity_fail_as_capacity(open_tier: OpenTier) -
 # -- failures per block -----------------------------------------------------------------
 
 
+async def test_a_long_load_starts_in_runs_of_two_queues_at_least(
+    open_tier: OpenTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load call longer than fits in flight goes to the engine in runs of at
+    least two queues' worth of blocks (each batch is one report and one
+    verification per reap), not one run per reap of whatever room it freed;
+    only the call's last run may be shorter. Every block arrives sound."""
+    n = 100
+    tier = await open_tier(blocks=n)
+    ks = keys(n)
+    src = pattern_rows(ks)
+    assert (await tier.store(ks, src.rows())).stored == tuple(ks)
+    engine = tier._pipeline._engine
+    real, runs = engine.submit_many, []
+
+    def record(read: bool, fd: int, requests: list[Any], *args: Any, **kw: Any) -> None:
+        if read:
+            runs.append(len(requests))
+        real(read, fd, requests, *args, **kw)
+
+    monkeypatch.setattr(engine, "submit_many", record)
+    dst = Rows(n)
+    result = await tier.load(ks, dst.rows())
+    assert result.loaded == tuple(ks)
+    assert dst.map[:] == src.map[:]
+    assert sum(runs) == n
+    assert runs[0] == 16  # queue depth 4: four blocks per engine slot
+    assert all(count >= 8 for count in runs[:-1]), runs
+    assert len(runs) <= 1 + (n - 16 + 7) // 8, runs
+
+
 async def test_reads_refused_at_submission_fail_every_run_and_pin_nothing(
     open_tier: OpenTier, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -611,8 +642,8 @@ async def test_reads_refused_at_submission_fail_every_run_and_pin_nothing(
     engine refuses each run's batch, the failure of one run starts the next
     (inside the pump that started it), every block ends exactly once, and the
     blocks stay: nothing was read, so nothing says they are bad."""
-    tier = await open_tier()
-    ks = keys(16)  # queue depth 4: 8 blocks in flight, so two runs
+    tier = await open_tier(blocks=40)
+    ks = keys(40)  # queue depth 4: 16 blocks in flight, so runs of 16, 16 and 8
     assert (await tier.store(ks, pattern_rows(ks).rows())).stored == tuple(ks)
     engine = tier._pipeline._engine
     real, refused = engine.submit_many, [0]
@@ -624,17 +655,17 @@ async def test_reads_refused_at_submission_fail_every_run_and_pin_nothing(
         real(read, *args, **kw)
 
     monkeypatch.setattr(engine, "submit_many", refuse_reads)
-    result = await tier.load(ks, Rows(16).rows())
-    assert refused[0] == 2
+    result = await tier.load(ks, Rows(40).rows())
+    assert refused[0] == 3
     assert result.loaded == ()
     assert set(result.missing) == set(ks)
     assert all("internal error" in str(e) for e in result.missing.values())
     assert all(tier._manager.pins(k) == 0 for k in ks)
-    assert tier.statistics().misses == 16
+    assert tier.statistics().misses == 40
     assert all(k in tier for k in ks)
     monkeypatch.setattr(engine, "submit_many", real)
     # Nothing stored was lost: the same blocks load, sound.
-    dst = Rows(16)
+    dst = Rows(40)
     assert (await tier.load(ks, dst.rows())).loaded == tuple(ks)
     assert dst.map[:] == pattern_rows(ks).map[:]
 
