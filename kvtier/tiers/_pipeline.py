@@ -503,10 +503,14 @@ class Pipeline:
         # is reported: no caller ever sees an unchecked block.
         bad = verify_reaped(run.pages, run.keys, self._namespace, run.views, done, self._file_bytes)
         keys, pages = run.keys, run.pages
-        if bad or len(done) < len(keys):
+        if bad:
             failed = {i for i, _ in bad}
             good = [i for i, _, _ in done if i not in failed]
             keys, pages = [keys[i] for i in good], [pages[i] for i in good]
+        elif len(done) < len(keys):
+            # Part of the run (the usual reap: a run outlasts one), every block sound.
+            keys = [keys[i] for i, _, _ in done]
+            pages = [pages[i] for i, _, _ in done]
         if bad:
             outcomes = {i: (nbytes, exc) for i, nbytes, exc in done}
             failures: list[tuple[int, KVTierError]] = []
