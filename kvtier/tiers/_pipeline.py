@@ -21,8 +21,9 @@ load keeps no object per block (:class:`_Loads`: its blocks are positions in
 the lists the engine, the verification and the residency take): after each
 read the hashing has swept the CPU's caches, and each object a block touches
 is a cache miss (run 14 in ``docs/file-tier.md``). At most four blocks per
-engine slot are in flight, a load call's in runs of at least two queues'
-worth; the rest wait in order. Each call is one job whose
+engine slot are handed to the engine at once (one per slot in the kernel,
+the rest in its queue), a load call's in runs of at least two queues'
+worth; the rest wait here, in order. Each call is one job whose
 completion resolves once its last block is done, with a :class:`StoreResult`
 or :class:`LoadResult`.
 
@@ -215,7 +216,7 @@ class Pipeline:
     loop
         The loop the tier was opened on; completions resolve on it.
     engine
-        The I/O engine; four blocks per engine slot are in flight at most.
+        The I/O engine; four blocks per engine slot are handed to it at most.
     slots
         The slot file the blocks are read from and written to.
     manager
