@@ -378,6 +378,11 @@ class Ring:
                 words[self._cq_head] = head
                 yield tag, res
 
+    def completions_waiting(self) -> bool:
+        """True when a completion is posted and not reaped yet."""
+        words = self._cq_words
+        return bool(words[self._cq_tail] != words[self._cq_head])
+
     def reap_runs(
         self, split: dict[int, bytearray] | None = None
     ) -> list[tuple[int, list[tuple[int, int, BaseException | None]], int, int]]:

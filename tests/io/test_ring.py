@@ -69,6 +69,26 @@ def test_completions_signal_the_registered_eventfd() -> None:
     ring.close()  # twice is fine
 
 
+def test_completions_waiting_says_whether_a_reap_would_find_one() -> None:
+    """What the engine's handler looks at after reading the eventfd: a
+    completion posted and not reaped, whatever the eventfd says."""
+    ring = Ring(4)
+    efd = os.eventfd(0, os.EFD_NONBLOCK)
+    try:
+        ring.register_eventfd(efd)
+        assert not ring.completions_waiting()
+        ring.prep(OP_NOP, -1, 0, 0, 0, 3)
+        ring.submit()
+        ring.wait()
+        os.eventfd_read(efd)  # the signal cleared: the completion still waits
+        assert ring.completions_waiting()
+        assert list(ring.reap()) == [(3, 0)]
+        assert not ring.completions_waiting()
+    finally:
+        os.close(efd)
+        ring.close()
+
+
 def _kernel_at_least(major: int, minor: int) -> bool:
     release = os.uname().release.split("-")[0].split(".")
     return (int(release[0]), int(release[1])) >= (major, minor)
