@@ -16,14 +16,15 @@ their headers sealed by one call; the engine reports the requests reaped
 together in one callback, whose reads are verified by one call
 (:data:`~kvtier.tiers._format.verify_reaped`, given the engine's outcomes as
 they came), and the blocks that succeeded settle together (one residency
-call, the counters once). Only a failed block takes the path of its own. A
+call, the counters once): a store's per reap, a load's once per run, with the
+run's last read. Only a failed block takes the path of its own. A
 load keeps no object per block (:class:`_Loads`: its blocks are positions in
 the lists the engine, the verification and the residency take): after each
 read the hashing has swept the CPU's caches, and each object a block touches
 is a cache miss (run 14 in ``docs/file-tier.md``). At most four blocks per
 engine slot are handed to the engine at once (one per slot in the kernel,
-the rest in its queue), a load call's in runs of at least two queues'
-worth; the rest wait here, in order. Each call is one job whose
+the rest in its queue), a load call's in runs of two queues' worth; the
+rest wait here, in order. Each call is one job whose
 completion resolves once its last block is done, with a :class:`StoreResult`
 or :class:`LoadResult`.
 
@@ -155,7 +156,7 @@ class _Loads:
 class _LoadRun:
     """Blocks of one load call handed to the engine as one batch."""
 
-    __slots__ = ("job", "keys", "offsets", "pages", "views")
+    __slots__ = ("failed", "job", "keys", "left", "offsets", "pages", "views")
 
     def __init__(
         self,
@@ -170,6 +171,10 @@ class _LoadRun:
         self.views = views
         self.offsets = offsets
         self.pages = pages
+        self.left = len(keys)
+        """Reads not reaped yet: the sound blocks settle together once it is 0."""
+        self.failed: set[int] | None = None
+        """Blocks that failed (settled on their own as they were reaped)."""
 
 
 class _HeaderPages:
@@ -263,12 +268,14 @@ class Pipeline:
         # Four blocks per engine slot keep the queue full while completions are
         # handled, and bound the header pages (4 KiB each).
         self._max_active = 4 * engine.queue_depth
-        # A load call's blocks start in runs of at least two queues' worth (or
-        # the rest of the call): each engine batch is one report and one
-        # verification, and runs cut to whatever room a reap freed (about 40
-        # blocks at depth 64 on the virtio disk here) straddled reaps, each
-        # paying that twice (run 17 in docs/file-tier.md).
-        self._min_load_run = 2 * engine.queue_depth
+        # A load call's blocks start in runs of two queues' worth (or the rest
+        # of the call), once there is room for a whole run: each engine batch
+        # is one report and one verification per reap and settles once, and
+        # runs cut to whatever room a reap freed (about 40 blocks at depth 64
+        # on the virtio disk here) straddled reaps, each paying that twice.
+        # Two runs in the engine keep its queue full while one settles (run
+        # 17 in docs/file-tier.md).
+        self._load_run = 2 * engine.queue_depth
         self._pages = _HeaderPages(self._max_active)
         self._pending: collections.deque[_BlockOp | _Loads] = collections.deque()
         self._active = 0
@@ -436,8 +443,8 @@ class Pipeline:
             head = pending[0]
             if isinstance(head, _Loads):
                 left = len(head.keys) - head.next
-                count = min(room, left)
-                if count < min(left, self._min_load_run) and self._active:
+                count = min(room, left, self._load_run)
+                if count < min(left, self._load_run) and self._active:
                     break  # (blocks in flight free more room: start a longer run then)
                 if count == left:
                     pending.popleft()  # before it starts, so a nested pump cannot see it
@@ -503,15 +510,6 @@ class Pipeline:
         # Verified here, as soon as the reads are reaped and before any block
         # is reported: no caller ever sees an unchecked block.
         bad = verify_reaped(run.pages, run.keys, self._namespace, run.views, done, self._file_bytes)
-        keys, pages = run.keys, run.pages
-        if bad:
-            failed = {i for i, _ in bad}
-            good = [i for i, _, _ in done if i not in failed]
-            keys, pages = [keys[i] for i in good], [pages[i] for i in good]
-        elif len(done) < len(keys):
-            # Part of the run (the usual reap: a run outlasts one), every block sound.
-            keys = [keys[i] for i, _, _ in done]
-            pages = [pages[i] for i, _, _ in done]
         if bad:
             outcomes = {i: (nbytes, exc) for i, nbytes, exc in done}
             failures: list[tuple[int, KVTierError]] = []
@@ -534,7 +532,20 @@ class Pipeline:
                         type(err).__name__,
                     )
                 failures.append((i, err))
+            if run.failed is None:
+                run.failed = set()
+            run.failed.update(i for i, _ in failures)
             self._loads_failed(run, failures)
+        run.left -= len(done)
+        if run.left:
+            # The sound blocks settle once, with the run's last read: a reap
+            # holds part of a run, and settling each part would build its keys
+            # and pages, Python per block (run 17 in docs/file-tier.md).
+            return
+        keys, pages = run.keys, run.pages
+        if run.failed:
+            good = [i for i in range(len(keys)) if i not in run.failed]
+            keys, pages = [keys[i] for i in good], [pages[i] for i in good]
         if keys:
             self._loads_ok(run.job, keys, pages)
 
