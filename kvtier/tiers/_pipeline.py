@@ -443,9 +443,10 @@ class Pipeline:
             head = pending[0]
             if isinstance(head, _Loads):
                 left = len(head.keys) - head.next
-                count = min(room, left, self._load_run)
-                if count < min(left, self._load_run) and self._active:
-                    break  # (blocks in flight free more room: start a longer run then)
+                want = min(left, self._load_run)
+                if room < want and self._active:
+                    break  # (blocks in flight free more room: start a whole run then)
+                count = min(room, want)
                 if count == left:
                     pending.popleft()  # before it starts, so a nested pump cannot see it
                 self._start_loads(head, count)
