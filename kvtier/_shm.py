@@ -54,7 +54,7 @@ import struct
 import time
 from dataclasses import dataclass
 
-from kvtier._mmap import PAGE_SIZE, PMD_SIZE, round_up
+from kvtier._mmap import PAGE_SIZE, PMD_SIZE, memory_bytes, round_up
 from kvtier.errors import CapacityError, InvalidArgumentError, SharedRegionError
 
 __all__ = [
@@ -418,8 +418,20 @@ def _initialize(
         if (st.f_blocks or data_fd == fd) and free < need:
             raise CapacityError(
                 f"{os.path.dirname(data_path or path)} has {free} bytes free but the shared "
-                f"region needs {need} ({geometry.rows} rows of {geometry.row_stride} bytes)"
+                f"region needs {need} ({geometry.rows} rows of {geometry.row_stride} bytes): "
+                "lower cpu_bytes_to_use"
             )
+        if data_fd == fd:
+            # tmpfs is sized at half of RAM by default but its pages are memory: a
+            # region within /dev/shm's size and above what is available would be
+            # paid for by the OOM killer, as a private region would.
+            total, available = memory_bytes()
+            if map_length > available:
+                raise CapacityError(
+                    f"a shared CPU region of {map_length} bytes ({geometry.rows} rows of "
+                    f"{geometry.row_stride} bytes) exceeds this machine's available memory "
+                    f"({available} bytes of {total}): lower cpu_bytes_to_use"
+                )
         os.ftruncate(fd, data_offset + map_length if data_fd == fd else _HEADER_BYTES)
         if data_fd != fd:  # pragma: no cover - needs reserved huge pages
             os.ftruncate(data_fd, map_length)

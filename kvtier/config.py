@@ -180,6 +180,22 @@ class FileTierConfig(_Frozen):
     ``background``: open returns at once and the tier knows no block, and
     refuses stores, until the scan ends (for very large tiers)."""
 
+    @field_validator("root", mode="before")
+    @classmethod
+    def _root(cls, value: object) -> object:
+        # Path("") is "." : an empty root would silently become the working directory.
+        if isinstance(value, str | os.PathLike) and not os.fspath(value).strip():
+            raise ValueError("must name a directory, got an empty path")
+        return value
+
+    @field_validator("root")
+    @classmethod
+    def _root_is_directory(cls, value: Path) -> Path:
+        # Checked here, not at open: the error then names the key to fix.
+        if value.exists() and not value.is_dir():
+            raise ValueError(f"{value} exists and is not a directory")
+        return value
+
     @property
     def buffer_alignment(self) -> int:
         """Alignment the tier needs of the CPU rows it reads and writes (O_DIRECT)."""

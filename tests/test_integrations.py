@@ -31,9 +31,9 @@ def test_only_the_integration_imports_vllm() -> None:
         if INTEGRATIONS not in p.parents and "vllm" in _imports(p)
     ]
     assert offenders == []
-    # ...and the adapter does, in one module only.
-    users = [p.name for p in INTEGRATIONS.rglob("*.py") if "vllm" in _imports(p)]
-    assert users == ["spec.py"]
+    # ...and there, the adapter (spec.py) and vLLM's own command line (serve.py) only.
+    users = sorted(p.name for p in INTEGRATIONS.rglob("*.py") if "vllm" in _imports(p))
+    assert users == ["serve.py", "spec.py"]
 
 
 def test_settings_build_kvtiers_config(tmp_path: Path) -> None:
@@ -82,8 +82,35 @@ def test_settings_build_kvtiers_config(tmp_path: Path) -> None:
         pytest.param(
             {"cpu_bytes_to_use": "1GiB", "statistics_file": 3}, "statistics_file", id="stats"
         ),
+        pytest.param(
+            {"cpu_bytes_to_use": "1GiB", "statistics_file": "/nonexistent-kvtier/stats.json"},
+            "statistics_file its directory /nonexistent-kvtier does not exist",
+            id="stats-directory-missing",
+        ),
+        pytest.param(
+            {"cpu_bytes_to_use": "1GiB", "statistics_file": "/tmp"},
+            "statistics_file /tmp is a directory",
+            id="stats-is-a-directory",
+        ),
+        pytest.param(
+            {"cpu_bytes_to_use": "1GiB", "file_tier": {"root": "", "bytes_to_use": "1GiB"}},
+            "file_tier.root: must name a directory",
+            id="empty-root",
+        ),
+        pytest.param(
+            {"cpu_bytes_to_use": "1GiB", "cluster_tier": {"nodes": ["127.0.0.1:7000"]}},
+            "cluster_tier is not supported inside vLLM yet",
+            id="cluster-tier",
+        ),
     ],
 )
 def test_bad_settings_raise_configuration_error(extra: dict[str, object], words: str) -> None:
     with pytest.raises(ConfigurationError, match=words):
         parse_extra_config(extra)
+
+
+def test_a_root_that_is_a_file_is_a_configuration_error(tmp_path: Path) -> None:
+    (tmp_path / "kv").write_bytes(b"")
+    tier = {"root": str(tmp_path / "kv"), "bytes_to_use": "1GiB"}
+    with pytest.raises(ConfigurationError, match=r"file_tier\.root: .*kv exists and is not a dir"):
+        parse_extra_config({"cpu_bytes_to_use": "1GiB", "file_tier": tier})

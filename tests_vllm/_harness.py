@@ -94,8 +94,11 @@ def offloading_config(
     blocks_per_chunk: int = 1,
     row_bytes: int = 4096,
     engine_id: str | None = None,
+    extra: Mapping[str, Any] | None = None,
+    rows: int = 8,
+    model: str = "tiny",
 ) -> Any:
-    """vLLM's ``OffloadingConfig`` for kvtier, as vLLM builds it: one rank, 8 rows."""
+    """vLLM's ``OffloadingConfig`` for kvtier, as vLLM builds it: one rank, ``rows`` rows."""
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -116,10 +119,11 @@ def offloading_config(
         extra_config={
             "spec_name": "KVTierOffloadingSpec",
             "spec_module_path": "kvtier.integrations.vllm.spec",
-            "cpu_bytes_to_use": 8 * row_bytes * blocks_per_chunk,
+            "cpu_bytes_to_use": rows * row_bytes * blocks_per_chunk,
+            **(extra or {}),
         },
         engine_id=engine_id or f"test-{uuid.uuid4()}",
-        model=OffloadingModelConfig(name="tiny", dtype="float32"),
+        model=OffloadingModelConfig(name=model, dtype="float32"),
         cache=OffloadingCacheConfig(tokens_per_hash=128, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(
             rank=0,

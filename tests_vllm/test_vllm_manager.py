@@ -6,7 +6,10 @@ vLLM's scheduler drives it, in this process (no model, no worker).
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -119,3 +122,82 @@ def test_a_transfer_is_cut_per_group() -> None:
     ]
     with pytest.raises(LayoutError, match="whole rows"):
         group_segments(gpu, RowsSpec([10, 11, 12, 13]), 2, store=True)
+
+
+def _keys(n: int, start: int = 0) -> list[Any]:
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    return [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(start, start + n)]
+
+
+def test_a_step_larger_than_the_cpu_tier_stores_its_leading_blocks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """4 rows, 23 blocks a step: the 4 leading blocks are stored and reach the file tier."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
+
+    file_tier = {"root": str(tmp_path / "kv"), "bytes_to_use": "8MiB"}
+    config = offloading_config(rows=4, extra={"file_tier": file_tier})
+    manager = KVTierOffloadingSpec(config).get_manager()
+    ctx = ReqContext(req_id="r")
+    try:
+        keys = _keys(23)
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            out = manager.prepare_store(keys, ctx)
+            assert out is not None
+            assert out.keys_to_store == keys[:4]
+            manager.complete_store(out.keys_to_store, ctx)
+            # Rows held by their file writes are not reusable: while every one
+            # is, the answer is None (vLLM asks again next step), else a prefix.
+            new = _keys(5, start=100)
+            more = manager.prepare_store(new, ctx)
+        taken = 0 if more is None else len(more.keys_to_store)
+        assert more is None or more.keys_to_store == new[:taken]
+        if more is not None:
+            manager.complete_store(more.keys_to_store, ctx)
+        st = manager.statistics()
+        assert st["stores"] == 4 + taken
+        assert st["store_refusals"] == 19 + 5 - taken
+        warned = [r for r in caplog.records if "Sizing the CPU tier" in r.getMessage()]
+        assert len(warned) == 1  # once, with the rule
+        deadline = time.monotonic() + 10
+        while manager.statistics()["file_writes"] < 4 + taken and time.monotonic() < deadline:
+            manager.on_schedule_end(None)
+            time.sleep(0.01)
+        assert manager.statistics()["file_writes"] == 4 + taken
+        assert manager.statistics()["file"]["blocks"] == 4 + taken
+        # The written rows are evictable again: the next step stores.
+        out = manager.prepare_store(_keys(2, start=200), ctx)
+        assert out is not None
+        assert len(out.keys_to_store) == 2
+    finally:
+        manager.shutdown()
+
+
+def test_cpu_hits_and_misses_count_what_vllm_asked(without_events: Any) -> None:
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    keys = _store(without_events, 3)
+    ctx = ReqContext(req_id="r2")
+    assert [without_events.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 3
+    assert without_events.lookup(_keys(1, start=999)[0], ctx) == LookupResult.MISS
+    st = without_events.statistics()
+    assert (st["cpu"]["hits"], st["cpu"]["misses"]) == (3, 1)
+    assert (st["lookups"], st["lookup_hits"]) == (4, 3)
+
+
+def test_the_namespace_follows_the_model_not_its_path(model_dir: Path, tmp_path: Path) -> None:
+    from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
+
+    link = tmp_path / "another-name"
+    link.symlink_to(model_dir)
+
+    def namespace(model: Path, **extra: Any) -> bytes:
+        spec = KVTierOffloadingSpec(offloading_config(model=str(model), extra=extra))
+        return bytes(spec.layout.namespace)
+
+    assert namespace(model_dir) == namespace(link)
+    assert namespace(model_dir, model_revision="v1") == namespace(tmp_path, model_revision="v1")
+    assert namespace(model_dir) != namespace(model_dir, model_revision="v1")

@@ -666,7 +666,9 @@ def plan_share(
     while reclaim and idle and slots_now() < wanted:
         ns = idle.pop(0)
         freed = remove_namespace(ns)
-        log.info(
+        # A WARNING: another model's cache is gone, which an operator must be able
+        # to see (serving engines show WARNING and above by default).
+        log.warning(
             "file tier: reclaimed namespace %s (not open, last used %s) for %s: %d bytes freed",
             ns.describe(),
             _when(ns.last_used),

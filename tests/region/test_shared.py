@@ -399,3 +399,28 @@ def test_the_reaper_leaves_files_it_did_not_write(shm_name: str) -> None:
         os.unlink(path)
     with pytest.raises(InvalidArgumentError):
         reap_shared_regions(-1)
+
+
+def test_a_shared_region_beyond_dev_shm_names_the_budget(layout: KVLayout, shm_name: str) -> None:
+    from kvtier.errors import CapacityError
+
+    with pytest.raises(CapacityError, match="lower cpu_bytes_to_use"):
+        CPURegion.create(layout, 1 << 40, shared_name=shm_name)
+
+
+def test_a_shared_region_beyond_memory_is_refused(layout: KVLayout, shm_name: str) -> None:
+    """/dev/shm may be larger than what memory is available: the OOM killer must not pay."""
+    from kvtier._mmap import memory_bytes
+    from kvtier.errors import CapacityError
+
+    st = os.statvfs("/dev/shm")
+    shm_free = st.f_bavail * st.f_frsize
+    _, available = memory_bytes()
+    budget = available + (64 << 20)
+    if shm_free <= budget:
+        pytest.skip(
+            f"/dev/shm has {shm_free} bytes free, not more than the memory available "
+            f"({available}): a budget between the two cannot be formed on this machine"
+        )
+    with pytest.raises(CapacityError, match=r"available memory.*lower cpu_bytes_to_use"):
+        CPURegion.create(layout, budget, shared_name=shm_name)

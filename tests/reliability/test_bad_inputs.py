@@ -370,7 +370,11 @@ ROWS: list[Row] = [
         ),
         ConfigurationError,
     ),
-    ("root-is-a-file", lambda c: open_with(c, file_config(Path("/etc/hostname"))), TierIOError),
+    (
+        "root-is-a-file",
+        lambda c: open_with(c, file_config(Path("/etc/hostname"))),
+        ConfigurationError,
+    ),
     (
         "root-unwritable",
         lambda c: open_with(c, file_config(Path("/proc/kvtier-root"))),

@@ -429,7 +429,7 @@ async def test_reclaim_off_opens_with_what_is_left(
 
 @pytest.mark.parametrize("older", ["x", "y"])
 async def test_lru_reclaims_the_least_recently_used_first_and_only_what_it_needs(
-    tmp_path: Path, older: str
+    tmp_path: Path, older: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     root = tmp_path / "tier"
     for model, nbytes in (("x", budget(1)), ("y", 2 * budget(1))):
@@ -442,8 +442,14 @@ async def test_lru_reclaims_the_least_recently_used_first_and_only_what_it_needs
     big = 1 << 20
     sizes = {m: usage(namespace_dir(root, m)) for m in ("x", "y")}
     # Room for two 1 MiB slots once either small namespace is gone, not with both.
-    d = await open_ns(root, "d", budget(2, big) + max(sizes.values()), block=big)
+    gone = namespace_dir(root, older).name
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        d = await open_ns(root, "d", budget(2, big) + max(sizes.values()), block=big)
     assert d.statistics().capacity_bytes == 2 * (HEADER_BYTES + big)
+    # Another model's cache went away: a WARNING naming it, its model and its size.
+    (said,) = [r for r in caplog.records if "reclaimed namespace" in r.getMessage()]
+    assert said.levelno == logging.WARNING
+    assert f"{gone} ({older}, {sizes[older]} bytes)" in said.getMessage()
     newer = "y" if older == "x" else "x"
     assert not namespace_dir(root, older).exists()
     assert namespace_dir(root, newer).exists()

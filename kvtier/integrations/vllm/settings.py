@@ -5,6 +5,7 @@ No vLLM import here: the main test suite checks the validation without vLLM.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,9 @@ VLLM_KEYS = frozenset(
 )
 """Keys of ``kv_connector_extra_config`` that vLLM's connector itself reads."""
 
-_OWN_KEYS = frozenset({"cpu_bytes_to_use", "eviction_policy", "file_tier", "statistics_file"})
+_OWN_KEYS = frozenset(
+    {"cpu_bytes_to_use", "eviction_policy", "file_tier", "statistics_file", "model_revision"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +42,9 @@ class VLLMSettings:
     """kvtier's configuration (``blocks_per_chunk`` and ``world_size`` from vLLM's)."""
     statistics_file: Path | None
     """Where the scheduler side writes its statistics as JSON, or None."""
+    model_revision: str | None = None
+    """A name for the model's weights that replaces the fingerprint of its files
+    in the namespace (see :func:`~kvtier.integrations.vllm.identity.model_identity`)."""
 
 
 def parse_extra_config(
@@ -52,8 +58,9 @@ def parse_extra_config(
         vLLM's ``kv_connector_extra_config``. kvtier's keys:
         ``cpu_bytes_to_use`` (required), ``eviction_policy``, ``file_tier``
         (a table of :class:`~kvtier.config.FileTierConfig` fields: ``root``,
-        ``bytes_to_use``, ``write_policy``, ``eviction_policy``, ...) and
-        ``statistics_file``; vLLM's own keys (:data:`VLLM_KEYS`) are left to it.
+        ``bytes_to_use``, ``write_policy``, ``eviction_policy``, ...),
+        ``statistics_file`` and ``model_revision``; vLLM's own keys
+        (:data:`VLLM_KEYS`) are left to it.
     blocks_per_chunk, world_size
         vLLM's values (device blocks per offloaded block, worker processes).
 
@@ -72,6 +79,14 @@ def parse_extra_config(
     if not isinstance(extra, Mapping):
         raise ConfigurationError(
             f"kv_connector_extra_config must be a mapping, got {type(extra).__name__}"
+        )
+    if "cluster_tier" in extra:
+        # A key of KVTierConfig that this front does not drive yet: not "unknown".
+        raise ConfigurationError(
+            "kv_connector_extra_config: cluster_tier is not supported inside vLLM yet (the "
+            "Engine drives it; see docs/vllm.md). Share KV between vLLM instances through "
+            "the CPU and file tiers of each instance for now",
+            (("cluster_tier", "not supported inside vLLM yet"),),
         )
     unknown = sorted(set(extra) - VLLM_KEYS - _OWN_KEYS)
     if unknown:
@@ -109,4 +124,31 @@ def parse_extra_config(
             f"kv_connector_extra_config: statistics_file must be a path string, got {stats!r}",
             (("statistics_file", "not a string"),),
         )
-    return VLLMSettings(config, None if stats is None else Path(stats))
+    revision = extra.get("model_revision")
+    if revision is not None and (not isinstance(revision, str) or not revision.strip()):
+        raise ConfigurationError(
+            f"kv_connector_extra_config: model_revision must be a non-empty string, got "
+            f"{revision!r}",
+            (("model_revision", "not a non-empty string"),),
+        )
+    return VLLMSettings(config, None if stats is None else _statistics_path(stats), revision)
+
+
+def _statistics_path(value: str) -> Path:
+    """``statistics_file`` checked at start-up: a bad path would warn after every step."""
+    path = Path(value)
+    problem = None
+    if not value.strip():
+        problem = "is empty"
+    elif path.is_dir():
+        problem = f"{path} is a directory"
+    elif not path.parent.is_dir():
+        problem = f"its directory {path.parent} does not exist"
+    elif not os.access(path.parent, os.W_OK | os.X_OK):
+        problem = f"its directory {path.parent} is not writable"
+    if problem is not None:
+        raise ConfigurationError(
+            f"kv_connector_extra_config: statistics_file {problem}",
+            (("statistics_file", problem),),
+        )
+    return path

@@ -98,9 +98,10 @@ from vllm.v1.kv_offload.config import OffloadingConfig  # type: ignore[import-no
 from kvtier.config import KVTierConfig
 from kvtier.engine import open_file_tier_below
 from kvtier.errors import BusyError, ConfigurationError, KVTierError, LayoutError
+from kvtier.integrations.vllm.identity import model_identity
 from kvtier.integrations.vllm.settings import VLLMSettings, parse_extra_config
 from kvtier.layout import KVLayout, TensorSpec
-from kvtier.manager import BlockRemoved, ManagerEvent, ResidencyManager
+from kvtier.manager import BlockRemoved, ManagerEvent, ResidencyManager, StorePlan
 from kvtier.region import CPURegion
 from kvtier.tiers.file_tier import FileTier
 from kvtier.transfer.completion import Completion
@@ -112,6 +113,7 @@ __all__ = [
     "KVTierOffloadingSpec",
     "KVTierOffloadingWorker",
     "RowsSpec",
+    "follow_vllm_logging",
     "group_segments",
     "offload_key_to_kvtier",
 ]
@@ -146,13 +148,16 @@ def offload_key_to_kvtier(key: bytes, namespace: bytes) -> bytes:
     return h.digest()
 
 
-def row_layout(config: OffloadingConfig, rank: int = 0) -> KVLayout:
+def row_layout(config: OffloadingConfig, rank: int = 0, revision: str | None = None) -> KVLayout:
     """The layout of one worker's slice of a row, computed alike on both sides.
 
     One row holds ``blocks_per_chunk`` device blocks of every layer of the
     worker (vLLM's ``worker_kv_bytes_per_block`` each). The model id carries
-    what vLLM says makes bytes incompatible: model, KV dtype, KV cache layout,
-    the layers of each KV cache group, tokens per hash.
+    what vLLM says makes bytes incompatible: the model's identity (its config
+    and weights, or the ``revision`` the user names: see
+    :func:`~kvtier.integrations.vllm.identity.model_identity`; never the path
+    it was loaded from), KV dtype, KV cache layout, the layers of each KV
+    cache group, tokens per hash.
 
     Raises
     ------
@@ -188,7 +193,10 @@ def row_layout(config: OffloadingConfig, rank: int = 0) -> KVLayout:
     model_id = json.dumps(
         {
             "integration": "vllm",
-            "model": config.model.name,
+            "model": hashlib.blake2b(
+                json.dumps(model_identity(config.model.name, revision), sort_keys=True).encode(),
+                digest_size=16,
+            ).hexdigest(),
             "kv_dtype": config.model.dtype,
             "kv_cache_layout": config.kv_cache_layout,
             # One group keeps its former id, so file tiers written before stay valid.
@@ -216,6 +224,25 @@ def row_layout(config: OffloadingConfig, rank: int = 0) -> KVLayout:
         tp_rank=rank,
         tp_size=config.parallel.world_size,
     )
+
+
+def follow_vllm_logging() -> None:
+    """Send kvtier's log records through vLLM's handlers, at vLLM's level.
+
+    vLLM configures its ``vllm`` logger only (its own handler and format: the
+    process name, pid, level and time; ``VLLM_LOGGING_LEVEL``), so kvtier's
+    records would otherwise reach Python's last-resort handler: warnings
+    bare, INFO (the I/O engine, queue depth, recovery) never. Left alone when
+    the user configured the ``kvtier`` logger (handlers or a level of its own)
+    or turned vLLM's logging configuration off (no handlers on ``vllm``).
+    """
+    ours, theirs = logging.getLogger("kvtier"), logging.getLogger("vllm")
+    if ours.handlers or ours.level != logging.NOTSET or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False  # as vLLM's own: no second copy through the root logger
 
 
 def _region_identity(engine_id: str) -> tuple[str, bytes]:
@@ -319,12 +346,13 @@ class KVTierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
+        follow_vllm_logging()
         self.settings: VLLMSettings = parse_extra_config(
             dict(config.extra_config),
             blocks_per_chunk=config.cache.blocks_per_chunk,
             world_size=config.parallel.world_size,
         )
-        self.layout = row_layout(config, config.parallel.rank)
+        self.layout = row_layout(config, config.parallel.rank, self.settings.model_revision)
         self._manager: KVTierOffloadingManager | None = None
         self._worker: KVTierOffloadingWorker | None = None
 
@@ -453,8 +481,8 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         """
         loop = _LoopThread("kvtier-vllm-scheduler")
         file_tier = None
+        cfg = settings.config.file_tier
         try:
-            cfg = settings.config.file_tier
             if cfg is not None:
                 file_tier = loop.run(
                     open_file_tier_below(cfg, layout, region, enable_events=enable_events)
@@ -463,6 +491,24 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             loop.stop()
             region.close()
             raise
+        log.info(
+            "kvtier: CPU tier of %d rows of %d bytes (cpu_bytes_to_use=%d)",
+            region.rows,
+            region.row_stride,
+            int(settings.config.cpu_bytes_to_use),
+        )
+        if file_tier is not None and cfg is not None:
+            st = file_tier.statistics()
+            log.info(
+                "kvtier: file tier at %s: %s, queue depth %d, %s I/O, %d bytes of slots, "
+                "%d blocks recovered",
+                cfg.root,
+                st.io_engine,
+                st.queue_depth,
+                "O_DIRECT" if st.direct_io else "buffered",
+                st.capacity_bytes,
+                st.recovered_blocks,
+            )
         return cls(settings, layout, region, loop, file_tier, enable_events=enable_events)
 
     # -- vLLM's OffloadingManager -------------------------------------------------------
@@ -471,7 +517,9 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._drain()
         k = self._key(key)
         self._n["lookups"] += 1
-        if self._cpu.is_ready(k):
+        # Through the CPU tier's lookup, so that its hits and misses count what
+        # vLLM asked (one key at a time, up to its first miss), as under the Engine.
+        if self._cpu.lookup((k,)):
             self._n["lookup_hits"] += 1
             return LookupResult.HIT
         if k in self._promoting:
@@ -516,10 +564,15 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 todo[k] = key
         if not todo:
             return PrepareStoreOutput(keys_to_store=[], store_spec=RowsSpec([]), evicted_keys=[])
-        plan = self._cpu.prepare_store(list(todo))
+        plan = self._place(list(todo))
         if plan is None:  # every row pinned or being written
-            self._n["store_refusals"] += len(todo)
+            # vLLM keeps these blocks and asks again at its next step.
+            self._refused(len(todo), 0)
             return None
+        if len(plan.keys) < len(todo):
+            # The leading blocks (a prefix: what a later request can hit) are
+            # stored; vLLM does not offer this request's others again.
+            self._refused(len(todo) - len(plan.keys), len(todo))
         self._n["stores"] += len(plan.keys)
         for k in plan.keys:
             self._names[k] = todo[k]
@@ -531,6 +584,38 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             store_spec=RowsSpec(list(plan.slots)),
             evicted_keys=evicted,
         )
+
+    def _place(self, keys: list[bytes]) -> StorePlan | None:
+        """Rows for the longest prefix of ``keys`` that fits the CPU tier now."""
+        st = self._cpu.statistics()
+        n = min(len(keys), st.capacity - st.used + st.evictable)
+        while n:
+            plan = self._cpu.prepare_store(keys[:n])
+            if plan is not None:
+                return plan
+            n //= 2  # the room counted rows this call's own blocks would free
+        return None
+
+    def _refused(self, count: int, offered: int) -> None:
+        """Count refused blocks; the first refusal is logged with the sizing rule."""
+        first = not self._n["store_refusals"]
+        self._n["store_refusals"] += count
+        if first:
+            rows = self._cpu.capacity
+            log.warning(
+                "kvtier's CPU tier (%d rows of %d bytes, cpu_bytes_to_use=%d) could not take "
+                "%d of the %d blocks one scheduler step offered%s. Give it at least twice the "
+                "rows one step stores (max_num_batched_tokens / (block_size x "
+                "blocks_per_chunk)): rows held by file writes in flight are not reusable "
+                "until the write ends. See docs/vllm.md, 'Sizing the CPU tier'. Logged once; "
+                "refusals are counted as store_refusals",
+                rows,
+                self._region.row_stride,
+                int(self._config.cpu_bytes_to_use),
+                count,
+                offered or count,
+                "" if not offered else " (the leading ones were stored)",
+            )
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
