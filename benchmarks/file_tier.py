@@ -620,7 +620,7 @@ def checksum_gbps() -> tuple[float, float]:
     caches, as the tier's blocks are when it verifies them (at depth 32 the
     disk here completes 32 blocks of 2 MiB at once, twice the L3; a burst
     hashed as it lands costs what this memory does, run 11 of
-    docs/file-tier.md). CPU time of this thread, not wall time: a preempted
+    docs/lab/file-tier-runs.md). CPU time of this thread, not wall time: a preempted
     pass would inflate the floor. Printed beside the per-repeat floor.
     """
     buf = thp_buffer(256 * MiB)

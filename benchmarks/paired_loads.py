@@ -30,7 +30,7 @@ one callback (``Ring.reap_runs``, ``verify_reaped`` over lists built once,
 one ``Ring.prep_rw`` and submission for as many new reads), with no engine
 batches, no pipeline and no residency bookkeeping. It is not a tier (it
 settles nothing); what the tier costs beyond it is what a compiled
-completion path could take off at most (docs/file-tier.md, run 16).
+completion path could take off at most (docs/lab/file-tier-runs.md, run 16).
 """
 
 from __future__ import annotations

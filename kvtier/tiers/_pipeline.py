@@ -21,7 +21,7 @@ run's last read. Only a failed block takes the path of its own. A
 load keeps no object per block (:class:`_Loads`: its blocks are positions in
 the lists the engine, the verification and the residency take): after each
 read the hashing has swept the CPU's caches, and each object a block touches
-is a cache miss (run 14 in ``docs/file-tier.md``). At most four blocks per
+is a cache miss (run 14 in ``docs/lab/file-tier-runs.md``). At most four blocks per
 engine slot are handed to the engine at once (one per slot in the kernel,
 the rest in its queue), a load call's in runs of two queues' worth; the
 rest wait here, in order. Each call is one job whose
@@ -274,7 +274,7 @@ class Pipeline:
         # runs cut to whatever room a reap freed (about 40 blocks at depth 64
         # on the virtio disk here) straddled reaps, each paying that twice.
         # Two runs in the engine keep its queue full while one settles (run
-        # 17 in docs/file-tier.md).
+        # 17 in docs/lab/file-tier-runs.md).
         self._load_run = 2 * engine.queue_depth
         self._pages = _HeaderPages(self._max_active)
         self._pending: collections.deque[_BlockOp | _Loads] = collections.deque()
@@ -541,7 +541,7 @@ class Pipeline:
         if run.left:
             # The sound blocks settle once, with the run's last read: a reap
             # holds part of a run, and settling each part would build its keys
-            # and pages, Python per block (run 17 in docs/file-tier.md).
+            # and pages, Python per block (run 17 in docs/lab/file-tier-runs.md).
             return
         keys, pages = run.keys, run.pages
         if run.failed:

@@ -37,7 +37,7 @@ class Worker:
     One busy thread takes its queue in batches and hands results back with one
     ``call_soon_threadsafe`` per batch; several threads cost more CPU per GB
     (each wakes up for every call) for no more throughput (measured on the
-    former metadata threads, docs/file-tier.md).
+    former metadata threads, docs/lab/file-tier-runs.md).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -26,8 +26,8 @@ block forgotten and reported as a miss.
 Residency and the byte budget belong to a
 :class:`~kvtier.manager.ResidencyManager` whose slots map one to one onto
 the file's slots: the manager decides, this module only moves bytes. See
-``docs/file-tier.md`` for the durability rules and why slots replaced one file
-per block.
+``docs/file-tier.md`` for the durability rules and
+``docs/lab/file-tier-design.md`` for why slots replaced one file per block.
 
 The tier is this facade over parts, each a module with one job, owned by
 :class:`FileTier` and wired at :meth:`FileTier.open`:
@@ -347,8 +347,8 @@ class FileTier(Tier):
         256 KiB up to 2 MiB, :func:`~kvtier.transfer.io_engine.probe_depths`)
         on the slot file itself: zeros written over never-written slots (which
         read as zeros already, so nothing a reader or the recovery sees
-        changes), else reads of slots holding data; see ``docs/file-tier.md``,
-        "Queue depth".
+        changes), else reads of slots holding data; see ``docs/file-tier.md``
+        and ``docs/lab/file-tier-design.md``, "Queue depth".
 
         With ``config.recovery="background"`` that scan runs after ``open``
         returns: until it ends the tier knows no block (lookups miss, loads

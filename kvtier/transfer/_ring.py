@@ -80,7 +80,7 @@ stopping that thread wherever it is. The event loop cannot act on a completion
 before it is back in ``epoll_wait`` anyway, and the interrupts that no longer
 land in the middle of the hashing and the Python of a reap are what it saves:
 0.95-0.97x the CPU per GB of 64 KiB verified loads, 0.98x at 256 KiB and
-0.995x at 2 MiB (``benchmarks/paired_loads.py``, docs/file-tier.md run 15)."""
+0.995x at 2 MiB (``benchmarks/paired_loads.py``, docs/lab/file-tier-runs.md run 15)."""
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 
 FIXED_CAPABLE = _native is not None

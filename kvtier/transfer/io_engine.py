@@ -86,7 +86,7 @@ def probe_depths(request_bytes: int, engine: str = "io_uring") -> tuple[int, ...
     (the caches it finds cold). There, 64 in flight against 32 read 256 KiB
     blocks through the tier at 0.90-1.12x the CPU per GB and wrote them at
     0.87-0.96x, 1 MiB blocks at 0.91x and 0.88x, at the same rate or faster
-    (docs/file-tier.md, run 16). Not below: at 64 KiB a reap's per-block work
+    (docs/lab/file-tier-runs.md, run 16). Not below: at 64 KiB a reap's per-block work
     outweighs the wake-up, and 64 cost 1.17x the CPU of 32. Not from 2 MiB: a
     queue of 32 there already wakes the loop a few times per GB, and a probe
     step at 64 would move 256 MiB. Not on the thread engine, where each
