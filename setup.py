@@ -2,6 +2,8 @@
 
 * kvtier.manager._native: the residency manager's state and policies;
 * kvtier.transfer._address: buffer addresses for I/O requests;
+* kvtier.transfer._copy: the device transfers' copy loops (memcpy, and CUDA's
+  runtime loaded at run time, so it builds without CUDA);
 * kvtier.tiers._blocks: the file tier's block headers and XXH3 checksums
   (xxHash vendored as one header under kvtier/tiers/_xxhash/).
 
@@ -28,6 +30,13 @@ setup(
             "kvtier.transfer._address",
             sources=["kvtier/transfer/_address.c"],
             extra_compile_args=["-O2", "-std=c11"],
+            optional=True,
+        ),
+        Extension(
+            "kvtier.transfer._copy",
+            sources=["kvtier/transfer/_copy.c"],
+            extra_compile_args=["-O2", "-std=gnu11"],
+            libraries=["dl"],
             optional=True,
         ),
         Extension(

@@ -1,22 +1,28 @@
-"""The CPU backend of the device copier runs the whole conformance suite."""
+"""The CPU backend of the device copier runs the whole conformance suite.
+
+It runs it three ways: the compiled loop (``kvtier.transfer._copy``), the same
+split over helper threads, and the Python loop used where the module is not
+built; the CUDA backend's fallback (one ``Tensor.copy_`` per piece) runs it on
+CPU tensors too.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
+from typing import ClassVar
 
-import numpy as np
 import pytest
 import torch
 
 from kvtier.errors import InvalidArgumentError, TransferError
 from kvtier.layout import KVLayout
 from kvtier.testing.device import DeviceTransferSuite, HostRows, reference_row
-from kvtier.transfer._copier import _Copier
+from kvtier.transfer._copier import CopyPlan, _Copier, native
 from kvtier.transfer._cpu_copy import CpuCopier
-from kvtier.transfer._cuda_copy import contiguous_parts
+from kvtier.transfer._cuda_copy import CudaCopier, TorchPiecesCopier
 from kvtier.transfer.device import (
     DeviceTransfer,
     _ThreadedTransfer,
@@ -27,18 +33,43 @@ from kvtier.transfer.device import (
 class TestCpuBackend(DeviceTransferSuite):
     backend = "cpu"
     device = "cpu"
+    contiguous_pieces_only = True
+
+    def test_the_compiled_loop_is_built(self) -> None:
+        assert native is not None, "kvtier.transfer._copy is not built (make builds it)"
+        assert CpuCopier().compiled
 
 
-class TestCpuBackendOverHelperThreads(DeviceTransferSuite):
-    """Every request, however small, dealt out over the worker and two helpers."""
+class _ConfiguredCopier(DeviceTransferSuite):
+    """The suite over a copier of the class's making."""
 
     backend = "cpu"
     device = "cpu"
+    contiguous_pieces_only = True
+    copier: ClassVar[Callable[[], _Copier]]
 
     def open_transfer(
         self, layout: KVLayout, kv: list[torch.Tensor], views: list[torch.Tensor]
     ) -> DeviceTransfer:
-        return _ThreadedTransfer(layout, kv, views, CpuCopier(threads=3, split_bytes=1))
+        return _ThreadedTransfer(layout, kv, views, type(self).copier())
+
+
+class TestCpuBackendOverHelperThreads(_ConfiguredCopier):
+    """Every request, however small, dealt out over the worker and two helpers."""
+
+    copier = staticmethod(lambda: CpuCopier(threads=3, split_bytes=1))
+
+
+class TestCpuBackendPythonLoop(_ConfiguredCopier):
+    """What runs where the compiled module is not built: a slice per piece, with helpers."""
+
+    copier = staticmethod(lambda: CpuCopier(threads=2, split_bytes=1, native=False))
+
+
+class TestTorchViewsInContiguousPieces(_ConfiguredCopier):
+    """What the CUDA backend falls back to (torch views, a copy per piece), run on CPU."""
+
+    copier = TorchPiecesCopier
 
 
 needs_cuda = pytest.mark.skipif(
@@ -54,49 +85,23 @@ class TestCudaBackend(DeviceTransferSuite):  # pragma: no cover - needs a GPU
     contiguous_pieces_only = True
 
 
-class _TorchPiecesCopier(_Copier):
-    """The CUDA copier's host side without a GPU: torch views, contiguous pieces."""
+@pytest.mark.gpu
+@needs_cuda
+class TestCudaBackendLoop(_ConfiguredCopier):  # pragma: no cover - needs a GPU
+    """The CUDA backend issuing one cudaMemcpyAsync per piece (no batches)."""
 
-    name = "torch-pieces"
-
-    def mark(self) -> object:
-        return None
-
-    def run(
-        self, store: bool, batches: Iterable[list[tuple[Any, Any]]], marker: object, nbytes: int
-    ) -> tuple[int, Callable[[], None] | None]:
-        parts: list[tuple[Any, Any]] = []
-        for batch in batches:
-            for dst, src in batch:
-                contiguous_parts(dst, src, parts)
-        for dst, src in parts:
-            assert dst.is_contiguous()
-            assert src.is_contiguous()
-            dst.copy_(src)
-        return len(parts), None
-
-
-class TestTorchViewsInContiguousPieces(DeviceTransferSuite):
-    """What the CUDA backend builds (torch views cut into DMA-able pieces), run on CPU."""
-
-    backend = "cpu"
-    device = "cpu"
-    contiguous_pieces_only = True
-
-    def open_transfer(
-        self, layout: KVLayout, kv: list[torch.Tensor], views: list[torch.Tensor]
-    ) -> DeviceTransfer:
-        return _ThreadedTransfer(layout, kv, views, _TorchPiecesCopier())
+    backend = "cuda"
+    device = "cuda"
+    copier = staticmethod(lambda: CudaCopier("cuda", mode="loop"))
 
 
 class _BrokenCopier(CpuCopier):
     """A copier whose hardware fails half way (the seam every backend plugs into)."""
 
-    def run(
-        self, store: bool, batches: Iterable[list[tuple[Any, Any]]], marker: object, nbytes: int
-    ) -> tuple[int, Callable[[], None] | None]:
-        pairs = [pair for batch in batches for pair in batch]
-        super().run(store, [pairs[: len(pairs) // 2]], marker, nbytes)
+    def run(self, plan: CopyPlan, marker: object) -> tuple[int, Callable[[], None] | None]:
+        spans = plan.spans.copy()
+        spans[len(spans) // 2 :] = 0  # the first half of the tensors only
+        super().run(dataclasses.replace(plan, spans=spans), marker)
         raise RuntimeError("simulated device fault")
 
 
@@ -125,10 +130,8 @@ class _DeferredCopier(CpuCopier):
         self.fail = fail
         self.release = threading.Event()
 
-    def run(
-        self, store: bool, batches: Iterable[list[tuple[Any, Any]]], marker: object, nbytes: int
-    ) -> tuple[int, Callable[[], None] | None]:
-        copies, _ = super().run(store, batches, marker, nbytes)
+    def run(self, plan: CopyPlan, marker: object) -> tuple[int, Callable[[], None] | None]:
+        copies, _ = super().run(plan, marker)
 
         def wait() -> None:
             self.release.wait(timeout=10)
@@ -211,19 +214,15 @@ async def test_tensors_by_name_and_backend_choice() -> None:
 
 
 class _PoisonedCopier(CpuCopier):
-    """Splits every request over helpers and slips one unwritable piece into a batch."""
+    """Splits every request over helpers; the share of helper 1 fails."""
 
     def __init__(self) -> None:
         super().__init__(threads=3, split_bytes=1)
 
-    def run(
-        self, store: bool, batches: Iterable[list[tuple[Any, Any]]], marker: object, nbytes: int
-    ) -> tuple[int, Callable[[], None] | None]:
-        frozen = np.zeros(4, dtype=np.uint8)
-        frozen.setflags(write=False)
-        poisoned = [*batches]
-        poisoned.insert(1, [(frozen, np.ones(4, dtype=np.uint8))])
-        return super().run(store, iter(poisoned), marker, nbytes)
+    def _copy_part(self, plan: CopyPlan, part: int, parts: int) -> None:
+        if part == 1:
+            raise ValueError("assignment destination is read-only (simulated)")
+        super()._copy_part(plan, part, parts)
 
 
 async def test_a_piece_failing_on_a_helper_fails_the_request_typed() -> None:
@@ -237,4 +236,26 @@ async def test_a_piece_failing_on_a_helper_fails_the_request_typed() -> None:
         assert isinstance(info.value.__cause__, ValueError)
     assert xfer.statistics().failures == 3
     assert xfer.statistics().in_flight == 0
+    await xfer.aclose()
+
+
+class _StrayCopier(CpuCopier):
+    """Moves the last piece of every plan one row past the end of the rows."""
+
+    def run(self, plan: CopyPlan, marker: object) -> tuple[int, Callable[[], None] | None]:
+        pieces = plan.pieces.copy()
+        pieces[-1, 0] = plan.tensors.table[0, 6]
+        return super().run(dataclasses.replace(plan, pieces=pieces), marker)
+
+
+@pytest.mark.skipif(native is None, reason="kvtier.transfer._copy is not built")
+async def test_a_plan_outside_its_rows_is_refused_before_a_byte_moves() -> None:
+    kv = [torch.ones(2, 8, 64, dtype=torch.float16)]
+    layout = KVLayout.from_tensors(kv, model_id="m", block_tokens=4, num_blocks=8)
+    host = HostRows.for_layout(layout, rows=4)
+    xfer = _ThreadedTransfer(layout, kv, host.views, _StrayCopier())
+    with pytest.raises(TransferError, match="outside the tensor or its rows") as info:
+        await xfer.store([0, 1, 2], [0, 1, 2])
+    assert isinstance(info.value.__cause__, ValueError)
+    assert not host.buffer.any(), "a byte moved"
     await xfer.aclose()

@@ -1,0 +1,520 @@
+/*
+ * kvtier.transfer._copy: the copy loops of kvtier.transfer.device, compiled.
+ *
+ * Why C: a real model's offloaded row is many small contiguous pieces (Llama-3-8B
+ * with 16-token blocks: 32 layers of K and V, 64 pieces of 32 KiB per 2 MiB row).
+ * One numpy assignment or Tensor.copy_ per piece costs a few microseconds of
+ * Python and dispatch before a byte moves; here a request is one call, its loop
+ * runs without the GIL, and a piece costs what memcpy or cudaMemcpyAsync costs.
+ *
+ * A request arrives planned (kvtier.transfer.device plans it with numpy, once,
+ * for both backends) as three int64 arrays:
+ *
+ *   table   (T, 7)  per KV tensor: device base address, host base address (row 0
+ *                   of the tensor's slice), unit (bytes of one sub-block, or of
+ *                   one K or V half of it), host row stride, device bytes, bytes
+ *                   of the tensor's slice of a row, rows;
+ *   pieces  (P, 4)  per contiguous piece, in units: host row, host unit in the
+ *                   row, device unit, length;
+ *   spans   (T, 2)  per tensor, the [start, stop) of its pieces (tensors of one
+ *                   kind and group share theirs).
+ *
+ * Every piece is bounds-checked against its tensor before anything is copied,
+ * so a wrong plan is a ValueError, never a write out of bounds.
+ *
+ * CUDA: the runtime is loaded at run time (cuda_load, with the path Python finds:
+ * the libcudart torch loaded, else the usual names), so the module builds and
+ * imports where CUDA is absent. cuda_copy issues the pieces on a given stream as
+ * one cudaMemcpyBatchAsync per 8192 pieces where the runtime has it (12.8+; its
+ * signature lost the failIdx argument in 13.0), or a loop of cudaMemcpyAsync.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+enum { T_DEV, T_HOST, T_UNIT, T_STRIDE, T_DEV_BYTES, T_ROW_BYTES, T_ROWS, T_COLS };
+enum { P_ROW, P_HOST, P_DEV, P_UNITS, P_COLS };
+
+typedef struct {
+    Py_buffer views[3];
+    int held;
+    const int64_t *table, *pieces, *spans;
+    Py_ssize_t tensors, npieces;
+    int64_t bytes;  /* over every tensor */
+    int64_t copies; /* pieces over every tensor */
+} Plan;
+
+static void
+plan_release(Plan *plan)
+{
+    for (int i = 0; i < plan->held; i++)
+        PyBuffer_Release(&plan->views[i]);
+    plan->held = 0;
+}
+
+/* An int64 C-contiguous buffer of rows of `cols`, or -1 with an error set. */
+static int
+int64_rows(Plan *plan, PyObject *obj, Py_ssize_t cols, const char *what, Py_ssize_t *rows)
+{
+    Py_buffer *view = &plan->views[plan->held];
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    plan->held++;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    if (view->itemsize != 8 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int64 array", what);
+        return -1;
+    }
+    if (view->len % (cols * 8) != 0) {
+        PyErr_Format(PyExc_ValueError, "%s must have %zd columns", what, cols);
+        return -1;
+    }
+    *rows = view->len / (cols * 8);
+    return 0;
+}
+
+/* Open and check a plan: every piece inside its tensor, on both sides. */
+static int
+plan_open(Plan *plan, PyObject *table, PyObject *pieces, PyObject *spans)
+{
+    Py_ssize_t nspans;
+    memset(plan, 0, sizeof(*plan));
+    if (int64_rows(plan, table, T_COLS, "table", &plan->tensors) < 0 ||
+        int64_rows(plan, pieces, P_COLS, "pieces", &plan->npieces) < 0 ||
+        int64_rows(plan, spans, 2, "spans", &nspans) < 0)
+        goto fail;
+    if (nspans != plan->tensors) {
+        PyErr_Format(PyExc_ValueError, "%zd spans for %zd tensors", nspans, plan->tensors);
+        goto fail;
+    }
+    plan->table = plan->views[0].buf;
+    plan->pieces = plan->views[1].buf;
+    plan->spans = plan->views[2].buf;
+    for (Py_ssize_t t = 0; t < plan->tensors; t++) {
+        const int64_t *tt = plan->table + t * T_COLS;
+        int64_t unit = tt[T_UNIT], a = plan->spans[2 * t], b = plan->spans[2 * t + 1];
+        if (unit <= 0 || tt[T_STRIDE] < 0 || tt[T_DEV_BYTES] < 0 || tt[T_ROW_BYTES] < 0 ||
+            tt[T_ROWS] < 0 || tt[T_DEV] == 0 || tt[T_HOST] == 0) {
+            PyErr_Format(PyExc_ValueError, "tensor %zd: bad table entry", t);
+            goto fail;
+        }
+        if (a < 0 || b < a || b > plan->npieces) {
+            PyErr_Format(PyExc_ValueError, "tensor %zd: span [%lld, %lld) outside %zd pieces", t,
+                         (long long)a, (long long)b, plan->npieces);
+            goto fail;
+        }
+        for (int64_t i = a; i < b; i++) {
+            const int64_t *p = plan->pieces + i * P_COLS;
+            int64_t host_end, dev_end, len, last;
+            if (p[P_ROW] < 0 || p[P_ROW] >= tt[T_ROWS] || p[P_HOST] < 0 || p[P_DEV] < 0 ||
+                p[P_UNITS] <= 0 || __builtin_add_overflow(p[P_HOST], p[P_UNITS], &host_end) ||
+                __builtin_add_overflow(p[P_DEV], p[P_UNITS], &dev_end) ||
+                __builtin_mul_overflow(host_end, unit, &host_end) ||
+                __builtin_mul_overflow(dev_end, unit, &dev_end) ||
+                __builtin_mul_overflow(p[P_UNITS], unit, &len) || host_end > tt[T_ROW_BYTES] ||
+                dev_end > tt[T_DEV_BYTES] ||
+                __builtin_mul_overflow(p[P_ROW], tt[T_STRIDE], &last) ||
+                __builtin_add_overflow(plan->bytes, len, &plan->bytes)) {
+                PyErr_Format(PyExc_ValueError,
+                             "tensor %zd, piece %lld (row %lld, host unit %lld, device unit "
+                             "%lld, %lld units of %lld bytes) is outside the tensor or its rows",
+                             t, (long long)i, (long long)p[P_ROW], (long long)p[P_HOST],
+                             (long long)p[P_DEV], (long long)p[P_UNITS], (long long)unit);
+                goto fail;
+            }
+        }
+        plan->copies += b - a;
+    }
+    return 0;
+fail:
+    plan_release(plan);
+    return -1;
+}
+
+static inline char *
+host_at(const int64_t *tt, const int64_t *p)
+{
+    return (char *)(uintptr_t)tt[T_HOST] + p[P_ROW] * tt[T_STRIDE] + p[P_HOST] * tt[T_UNIT];
+}
+
+static inline char *
+dev_at(const int64_t *tt, const int64_t *p)
+{
+    return (char *)(uintptr_t)tt[T_DEV] + p[P_DEV] * tt[T_UNIT];
+}
+
+static int
+parse_plan(Plan *plan, PyObject *const *args, int *store)
+{
+    if (plan_open(plan, args[0], args[1], args[2]) < 0)
+        return -1;
+    *store = PyObject_IsTrue(args[3]);
+    if (*store < 0) {
+        plan_release(plan);
+        return -1;
+    }
+    return 0;
+}
+
+/* Requests of at least this many bytes are written with non-temporal stores... */
+#define STREAM_BYTES (4 << 20)
+/* ...in pieces of at least this many bytes (smaller ones are not worth the alignment). */
+#define STREAM_PIECE 4096
+
+/* memcpy without reading the destination into the caches first. A large copy is
+   memory-bound: a plain store reads each destination line before writing it (a
+   third more traffic), and glibc's memcpy only streams a single call larger than
+   a share of the last-level cache, never a request's pieces of a few KiB. The
+   caller issues an sfence before the copy is reported done. */
+static void
+copy_stream(char *dst, const char *src, size_t n)
+{
+#if defined(__SSE2__)
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (head > n)
+        head = n;
+    memcpy(dst, src, head);
+    dst += head, src += head, n -= head;
+    size_t body = n & ~(size_t)63;
+    for (size_t i = 0; i < body; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    memcpy(dst + body, src + body, n - body);
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+/* check(table, pieces, spans) -> (bytes, copies): validate a plan, copy nothing. */
+static PyObject *
+check(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Plan plan;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "check(table, pieces, spans)");
+        return NULL;
+    }
+    if (plan_open(&plan, args[0], args[1], args[2]) < 0)
+        return NULL;
+    plan_release(&plan);
+    return Py_BuildValue("(LL)", (long long)plan.bytes, (long long)plan.copies);
+}
+
+/* copy_host(table, pieces, spans, store, part, parts) -> int: memcpy the bytes of
+   part `part` of `parts` equal shares of the plan (by bytes, cutting pieces where a
+   share ends), device -> host if `store`, else host -> device; the bytes copied. */
+static PyObject *
+copy_host(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Plan plan;
+    int store;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "copy_host(table, pieces, spans, store, part, parts)");
+        return NULL;
+    }
+    long part = PyLong_AsLong(args[4]), parts = PyLong_AsLong(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (parts < 1 || part < 0 || part >= parts) {
+        PyErr_Format(PyExc_ValueError, "part %ld of %ld", part, parts);
+        return NULL;
+    }
+    if (parse_plan(&plan, args, &store) < 0)
+        return NULL;
+    /* Shares by bytes, not pieces: the helper and the worker finish together. */
+    int64_t lo = (int64_t)((__int128)plan.bytes * part / parts);
+    int64_t hi = (int64_t)((__int128)plan.bytes * (part + 1) / parts);
+    int64_t pos = 0;
+    int stream = plan.bytes >= STREAM_BYTES;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t t = 0; t < plan.tensors && pos < hi; t++) {
+        const int64_t *tt = plan.table + t * T_COLS;
+        for (int64_t i = plan.spans[2 * t]; i < plan.spans[2 * t + 1]; i++) {
+            const int64_t *p = plan.pieces + i * P_COLS;
+            int64_t len = p[P_UNITS] * tt[T_UNIT];
+            if (pos + len > lo) {
+                int64_t from = pos < lo ? lo - pos : 0;
+                int64_t to = pos + len > hi ? hi - pos : len;
+                char *h = host_at(tt, p) + from, *d = dev_at(tt, p) + from;
+                char *dst = store ? h : d, *src = store ? d : h;
+                if (stream && to - from >= STREAM_PIECE)
+                    copy_stream(dst, src, (size_t)(to - from));
+                else
+                    memcpy(dst, src, (size_t)(to - from));
+            }
+            pos += len;
+            if (pos >= hi)
+                break;
+        }
+    }
+#if defined(__SSE2__)
+    /* Streamed stores are weakly ordered: drain them before the copy is reported. */
+    if (stream)
+        _mm_sfence();
+#endif
+    Py_END_ALLOW_THREADS
+    plan_release(&plan);
+    return PyLong_FromLongLong(hi - lo);
+}
+
+/* -- CUDA, through the runtime loaded at run time ------------------------------- */
+
+typedef int (*memcpy_async_fn)(void *, const void *, size_t, int, void *);
+typedef int (*set_device_fn)(int);
+typedef int (*get_last_error_fn)(void);
+typedef int (*runtime_version_fn)(int *);
+typedef const char *(*error_text_fn)(int);
+/* struct cudaMemcpyAttributes: srcAccessOrder, srcLocHint {type, id}, dstLocHint, flags. */
+typedef struct {
+    int src_access_order;
+    int src_type, src_id;
+    int dst_type, dst_id;
+    unsigned int flags;
+} memcpy_attributes;
+typedef int (*batch12_fn)(void **, void **, size_t *, size_t, memcpy_attributes *, size_t *,
+                          size_t, size_t *, void *);
+typedef int (*batch13_fn)(void **, void **, size_t *, size_t, memcpy_attributes *, size_t *,
+                          size_t, void *);
+
+enum { HOST_TO_DEVICE = 1, DEVICE_TO_HOST = 2, SRC_ACCESS_ORDER_STREAM = 1 };
+#define BATCH_MAX 8192
+
+static struct {
+    void *lib;
+    char path[4096];
+    int version;
+    memcpy_async_fn memcpy_async;
+    set_device_fn set_device;
+    get_last_error_fn get_last_error;
+    error_text_fn error_name, error_string;
+    void *batch;    /* batch12_fn or batch13_fn, by version */
+    int batch_error; /* the first error a batch returned: the loop is used since */
+} rt;
+
+/* cuda_load(path) -> int: dlopen a CUDA runtime; its version (major * 1000 + minor * 10).
+   Once one is loaded, later calls return its version whatever the path. */
+static PyObject *
+cuda_load(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    if (rt.lib != NULL)
+        return PyLong_FromLong(rt.version);
+    const char *path = PyUnicode_AsUTF8(arg);
+    if (path == NULL)
+        return NULL;
+    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (lib == NULL) {
+        const char *why = dlerror();
+        PyErr_Format(PyExc_OSError, "dlopen(%s): %s", path, why ? why : "failed");
+        return NULL;
+    }
+    runtime_version_fn version = (runtime_version_fn)dlsym(lib, "cudaRuntimeGetVersion");
+    memcpy_async_fn memcpy_async = (memcpy_async_fn)dlsym(lib, "cudaMemcpyAsync");
+    set_device_fn set_device = (set_device_fn)dlsym(lib, "cudaSetDevice");
+    get_last_error_fn get_last_error = (get_last_error_fn)dlsym(lib, "cudaGetLastError");
+    error_text_fn name = (error_text_fn)dlsym(lib, "cudaGetErrorName");
+    error_text_fn string = (error_text_fn)dlsym(lib, "cudaGetErrorString");
+    int v = 0;
+    if (!version || !memcpy_async || !set_device || !get_last_error || !name || !string ||
+        version(&v) != 0) {
+        dlclose(lib);
+        PyErr_Format(PyExc_OSError, "%s is not a usable CUDA runtime", path);
+        return NULL;
+    }
+    rt.lib = lib;
+    rt.version = v;
+    rt.memcpy_async = memcpy_async;
+    rt.set_device = set_device;
+    rt.get_last_error = get_last_error;
+    rt.error_name = name;
+    rt.error_string = string;
+    /* Before 12.8 there is none; 12.8 and 12.9 take a failIdx argument, 13.0 does not. */
+    rt.batch = v >= 12080 ? dlsym(lib, "cudaMemcpyBatchAsync") : NULL;
+    snprintf(rt.path, sizeof(rt.path), "%s", path);
+    return PyLong_FromLong(v);
+}
+
+/* cuda_status() -> dict: what cuda_load loaded (empty before). */
+static PyObject *
+cuda_status(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(arg))
+{
+    if (rt.lib == NULL)
+        return PyDict_New();
+    return Py_BuildValue("{s:s,s:i,s:O,s:i}", "path", rt.path, "version", rt.version, "batch",
+                         rt.batch != NULL ? Py_True : Py_False, "batch_error", rt.batch_error);
+}
+
+static int
+issue_batch(void **dsts, void **srcs, size_t *sizes, size_t n, void *stream)
+{
+    memcpy_attributes attr;
+    size_t first = 0, fail = (size_t)-1;
+    memset(&attr, 0, sizeof(attr));
+    /* The source is read in stream order: after the event the stream waits on. */
+    attr.src_access_order = SRC_ACCESS_ORDER_STREAM;
+    if (rt.version >= 13000)
+        return ((batch13_fn)rt.batch)(dsts, srcs, sizes, n, &attr, &first, 1, stream);
+    return ((batch12_fn)rt.batch)(dsts, srcs, sizes, n, &attr, &first, 1, &fail, stream);
+}
+
+/* Piece i of tensor t: destination, source, bytes. */
+static inline size_t
+piece(const Plan *plan, Py_ssize_t t, int64_t i, int store, void **dst, void **src)
+{
+    const int64_t *tt = plan->table + t * T_COLS, *p = plan->pieces + i * P_COLS;
+    char *h = host_at(tt, p), *d = dev_at(tt, p);
+    *dst = store ? h : d, *src = store ? d : h;
+    return (size_t)(p[P_UNITS] * tt[T_UNIT]);
+}
+
+/* Every piece, one cudaMemcpyAsync each; the first error. */
+static int
+issue_each(const Plan *plan, int store, void *stream)
+{
+    int kind = store ? DEVICE_TO_HOST : HOST_TO_DEVICE, err;
+    for (Py_ssize_t t = 0; t < plan->tensors; t++)
+        for (int64_t i = plan->spans[2 * t]; i < plan->spans[2 * t + 1]; i++) {
+            void *dst, *src;
+            size_t len = piece(plan, t, i, store, &dst, &src);
+            if ((err = rt.memcpy_async(dst, src, len, kind, stream)) != 0)
+                return err;
+        }
+    return 0;
+}
+
+/* Every piece, in batches of up to BATCH_MAX (arrays of that many given); the first error. */
+static int
+issue_batches(const Plan *plan, int store, void *stream, void **dsts, void **srcs, size_t *sizes)
+{
+    size_t n = 0;
+    int err;
+    for (Py_ssize_t t = 0; t < plan->tensors; t++)
+        for (int64_t i = plan->spans[2 * t]; i < plan->spans[2 * t + 1]; i++) {
+            sizes[n] = piece(plan, t, i, store, &dsts[n], &srcs[n]);
+            if (++n == BATCH_MAX) {
+                if ((err = issue_batch(dsts, srcs, sizes, n, stream)) != 0)
+                    return err;
+                n = 0;
+            }
+        }
+    return n > 0 ? issue_batch(dsts, srcs, sizes, n, stream) : 0;
+}
+
+/* cuda_copy(table, pieces, spans, store, stream, device, batch) -> int: issue every
+   piece on `stream` (device -> host if `store`), batched if `batch` and the runtime
+   can; the number of pieces. Returns once they are queued, not copied. */
+static PyObject *
+cuda_copy(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    Plan plan;
+    int store, err;
+    const char *what = "cudaSetDevice";
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "cuda_copy(table, pieces, spans, store, stream, device, batch)");
+        return NULL;
+    }
+    if (rt.lib == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "no CUDA runtime loaded (cuda_load)");
+        return NULL;
+    }
+    void *stream = PyLong_AsVoidPtr(args[4]);
+    long device = PyLong_AsLong(args[5]);
+    int batch = PyObject_IsTrue(args[6]);
+    if (PyErr_Occurred() || batch < 0)
+        return NULL;
+    if (stream == NULL) {
+        /* The legacy default stream would serialize with the model's work. */
+        PyErr_SetString(PyExc_ValueError, "cuda_copy needs a created stream, not stream 0");
+        return NULL;
+    }
+    if (parse_plan(&plan, args, &store) < 0)
+        return NULL;
+    void **dsts = NULL, **srcs = NULL;
+    size_t *sizes = NULL;
+    batch = batch && rt.batch != NULL && rt.batch_error == 0 && plan.copies > 1;
+    if (batch) {
+        size_t n = plan.copies < BATCH_MAX ? (size_t)plan.copies : BATCH_MAX;
+        dsts = malloc(n * sizeof(void *));
+        srcs = malloc(n * sizeof(void *));
+        sizes = malloc(n * sizeof(size_t));
+        if (!dsts || !srcs || !sizes) {
+            free(dsts), free(srcs), free(sizes);
+            plan_release(&plan);
+            return PyErr_NoMemory();
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    err = rt.set_device((int)device);
+    if (err == 0 && batch) {
+        what = "cudaMemcpyBatchAsync";
+        if ((err = issue_batches(&plan, store, stream, dsts, srcs, sizes)) != 0) {
+            /* A batch the runtime refuses was not queued (nor were the ones after
+               it): clear its last error, then issue every piece one at a time
+               (copying a piece twice writes the same bytes) and never batch again. */
+            rt.batch_error = err;
+            rt.get_last_error();
+            batch = 0, err = 0;
+        }
+    }
+    if (err == 0 && !batch) {
+        what = "cudaMemcpyAsync";
+        err = issue_each(&plan, store, stream);
+    }
+    Py_END_ALLOW_THREADS
+    free(dsts), free(srcs), free(sizes);
+    int64_t copies = plan.copies;
+    plan_release(&plan);
+    if (err != 0) {
+        const char *name = rt.error_name(err), *text = rt.error_string(err);
+        rt.get_last_error();
+        PyErr_Format(PyExc_RuntimeError, "%s failed: %s (%d): %s", what, name ? name : "?", err,
+                     text ? text : "?");
+        return NULL;
+    }
+    return PyLong_FromLongLong(copies);
+}
+
+static PyMethodDef methods[] = {
+    {"check", (PyCFunction)(void (*)(void))check, METH_FASTCALL,
+     "check(table, pieces, spans) -> (bytes, copies): validate a plan, copy nothing."},
+    {"copy_host", (PyCFunction)(void (*)(void))copy_host, METH_FASTCALL,
+     "copy_host(table, pieces, spans, store, part, parts) -> int: memcpy one share of a "
+     "plan's bytes between host memories, without the GIL; the bytes copied."},
+    {"cuda_load", cuda_load, METH_O,
+     "cuda_load(path) -> int: load a CUDA runtime library; its version."},
+    {"cuda_status", cuda_status, METH_NOARGS,
+     "cuda_status() -> dict: the runtime loaded, its version, whether it batches."},
+    {"cuda_copy", (PyCFunction)(void (*)(void))cuda_copy, METH_FASTCALL,
+     "cuda_copy(table, pieces, spans, store, stream, device, batch) -> int: queue a plan's "
+     "pieces on a CUDA stream; the number of pieces."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvtier.transfer._copy",
+    .m_doc = "Compiled copy loops of the device transfers (see kvtier.transfer.device).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC
+PyInit__copy(void)
+{
+    return PyModule_Create(&module_def);
+}
