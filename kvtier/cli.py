@@ -17,7 +17,7 @@ from kvtier.errors import InvalidArgumentError, KVTierError
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from kvtier.demo.serving import DemoResult, DemoSettings, TierSizes
+    from kvtier.demo.serving import DemoResult, DemoSettings, RequestRecord, TierSizes
 
 __all__ = ["main"]
 
@@ -85,7 +85,7 @@ def _demo_live(
     """Run the demo under progress bars (a terminal)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvtier.demo.serving import RequestRecord, run_demo
+    from kvtier.demo.serving import run_demo
 
     progress = Progress(
         TextColumn("{task.description:<10}"),
@@ -106,7 +106,7 @@ def _demo_live(
             progress.update(serving, completed=done, note=note)
         else:
             progress.start_task(checking)
-            counts["wrong"] += not record.identical
+            counts["wrong"] += not record.correct
             progress.update(checking, completed=done, note=f"{counts['wrong']} differ")
 
     with progress:
@@ -117,7 +117,7 @@ def _demo_logged(
     console: Console, settings: DemoSettings, opened: Callable[[TierSizes], None]
 ) -> DemoResult:
     """Run the demo with a line per request (not a terminal)."""
-    from kvtier.demo.serving import RequestRecord, run_demo
+    from kvtier.demo.serving import run_demo
 
     def log(kind: str, r: RequestRecord, done: int, total: int) -> None:
         if kind == "served":
@@ -129,15 +129,35 @@ def _demo_logged(
                 soft_wrap=True,
             )
         else:
-            verdict = "identical" if r.identical else "DIFFERENT"
             console.print(
                 f"checked {done}/{total}: request {r.index}, recompute "
-                f"{r.recompute_s * 1e3:.0f} ms, {verdict}",
+                f"{r.recompute_s * 1e3:.0f} ms, {_verdict(r)}",
                 highlight=False,
                 soft_wrap=True,
             )
 
     return asyncio.run(run_demo(settings, log, opened))
+
+
+def _verdict(r: RequestRecord) -> str:
+    """One request's check in a few words: what failed, or how close the logits came."""
+    v = r.verdict
+    if v is None:
+        return "not checked"
+    if v.correct:
+        return (
+            "correct, logits bit for bit"
+            if v.logits_identical
+            else f"correct, logits within {v.logits_difference:.1e}"
+        )
+    faults = []
+    if v.blocks_wrong:
+        faults.append(f"{v.blocks_wrong} of {v.blocks_loaded} loaded blocks not the stored bytes")
+    if not v.tokens_identical:
+        faults.append("other tokens")
+    if not v.logits_within:
+        faults.append(f"logits off by {v.logits_difference:.1e}")
+    return "DIFFERENT: " + ", ".join(faults)
 
 
 def _mib(n: float) -> str:
@@ -428,7 +448,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument(
         "--corrupt-one-block",
         action="store_true",
-        help="zero one loaded KV block, to see the output check fail (exit status 1)",
+        help="zero one loaded KV block, as a tier returning wrong bytes would, to see the "
+        "check of loaded blocks fail (exit status 1)",
     )
     demo.set_defaults(func=_demo)
 

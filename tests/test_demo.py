@@ -1,4 +1,4 @@
-"""``kvtier demo``: a real model served over every tier gives the recompute's outputs."""
+"""``kvtier demo``: a real model served over every tier, checked against a recompute."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from kvtier.cli import main
-from kvtier.demo.model import KEY_BLOCK, MIN_ROWS, DemoModel
+from kvtier.demo.check import LOGITS_RTOL, BlockLedger, block_digest, judge
+from kvtier.demo.model import TILE, DemoModel
 from kvtier.demo.serving import DemoSettings, run_demo
 
 
-async def test_quick_demo_hits_both_tiers_and_matches_recompute(tmp_path: Path) -> None:
+async def test_quick_demo_hits_both_tiers_and_passes_every_check(tmp_path: Path) -> None:
     result = await run_demo(replace(DemoSettings.quick(), tmp_parent=tmp_path))
     sources = {r.source for r in result.records}
     assert {"cpu", "file"} <= sources, sources
@@ -24,9 +25,14 @@ async def test_quick_demo_hits_both_tiers_and_matches_recompute(tmp_path: Path) 
     assert result.tiers.cpu_evictions > 0  # the workload does not fit in the CPU tier
     assert result.tiers.load_shortfalls == 0
     assert result.tiers.dropped == 0
-    assert all(r.tokens_identical and r.logits_identical for r in result.records)
     assert result.mismatches == 0
+    verdicts = [r.verdict for r in result.records]
+    assert all(v is not None and v.correct for v in verdicts)
+    assert sum(v.blocks_loaded for v in verdicts if v is not None) > 0
     assert sum(r.loaded_tokens for r in result.records) > 0
+    for r in result.records:
+        # Every request that loaded a prefix has its floor, below its recompute's work.
+        assert (r.floor_s > 0) == (r.loaded_tokens > 0), r
 
 
 def test_demo_command_prints_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -37,32 +43,102 @@ def test_demo_command_prints_the_report(tmp_path: Path, capsys: pytest.CaptureFi
     assert "checked 16/16" in out
     assert "━" not in out.split("Tiers")[0]
     assert "file tier" in out
-    assert "16/16 requests generated the same 4 greedy tokens" in out
-    assert "bit for bit in 16/16" in out
+    assert "floor median" in out
+    assert "16/16 requests correct" in out
+    assert "the same 4 greedy tokens as a full recompute: 16/16" in out
+    assert f"within {LOGITS_RTOL:.0e} of the recompute's largest logit: 16/16" in out
+    assert "largest difference" in out
     assert list(tmp_path.iterdir()) == []  # the file tier's directory is gone
 
 
 def test_a_wrong_block_fails_the_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # The test hook zeroes one loaded device block, as a tier serving wrong
-    # bytes would: the comparison with the recompute must catch it.
+    # bytes would: the check of loaded blocks must catch it, whatever the
+    # logits do.
     assert main(["demo", "--quick", "--corrupt-one-block", "--dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert "DIFFERENT" in out
-    assert "bit for bit in 16/16" not in out
+    assert "DIFFERENT: 1 of" in out
+    assert "loaded blocks not the stored bytes" in out
+    assert "16/16 requests correct" not in out
 
 
-@pytest.mark.parametrize("split", [MIN_ROWS, 64, KEY_BLOCK, KEY_BLOCK + 48, 400], ids=str)
-@pytest.mark.parametrize("suffix", [1, 3, MIN_ROWS + 1, 200], ids=lambda n: f"suffix{n}")
+def _logits(seed: int, vocab: int = 512) -> torch.Tensor:
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 30
+
+
+def test_the_check_tolerates_rounding_differences_of_another_cpu() -> None:
+    # What a forward pass that is not chunking invariant gives (2e-4 on one
+    # Xeon): the same tokens and blocks, logits off in the last bits.
+    ref = _logits(0)
+    noise = 1e-4 * torch.sign(_logits(1))
+    verdict = judge([5, 6, 7], ref + noise, [5, 6, 7], ref, blocks_loaded=20)
+    assert verdict.correct
+    assert not verdict.logits_identical
+    assert verdict.logits_difference == pytest.approx(1e-4, rel=0.1)
+    assert judge([5, 6, 7], ref.clone(), [5, 6, 7], ref).logits_identical
+
+
+@pytest.mark.parametrize(
+    ("tokens", "offset", "wrong", "failed"),
+    [
+        ([5, 6, 8], 0.0, 0, "tokens"),
+        ([5, 6, 7], 10 * LOGITS_RTOL, 0, "logits"),
+        ([5, 6, 7], 0.0, 1, "blocks"),
+    ],
+    ids=["other-tokens", "logits-out-of-tolerance", "one-wrong-block"],
+)
+def test_the_check_fails_on_what_kvtier_guarantees(
+    tokens: list[int], offset: float, wrong: int, failed: str
+) -> None:
+    ref = _logits(0)
+    scale = float(ref.abs().max())
+    verdict = judge(
+        tokens, ref + offset * scale, [5, 6, 7], ref, blocks_loaded=4, blocks_wrong=wrong
+    )
+    assert not verdict.correct
+    assert verdict.tokens_identical == (failed != "tokens")
+    assert verdict.logits_within == (failed != "logits")
+
+
+def test_nan_logits_are_never_within_tolerance() -> None:
+    ref = _logits(0)
+    bad = ref.clone()
+    bad[3] = torch.nan
+    assert not judge([1], bad, [1], ref).correct
+
+
+def test_the_ledger_catches_one_changed_byte() -> None:
+    kv = [torch.randn(2, 8, 16, 2, 4).to(torch.bfloat16) for _ in range(3)]
+    ledger = BlockLedger()
+    ledger.record(b"key", block_digest(kv, [5, 2]))
+    assert ledger.matches(b"key", block_digest(kv, [5, 2]))
+    assert not ledger.matches(b"key", block_digest(kv, [2, 5]))  # the same bytes, out of order
+    assert not ledger.matches(b"other key", block_digest(kv, [5, 2]))
+    raw = kv[2].view(torch.uint8)  # the last layer's V of block 2: one bit of one byte
+    raw[1, 2, 15, 1, -1] ^= 1
+    assert not ledger.matches(b"key", block_digest(kv, [5, 2]))
+    # A key stored twice keeps both versions: either may be the one a tier holds.
+    ledger.record(b"key", block_digest(kv, [5, 2]))
+    assert ledger.matches(b"key", block_digest(kv, [5, 2]))
+
+
+@pytest.mark.parametrize("split", [5, TILE, 37, 256 + 48, 401], ids=str)
+@pytest.mark.parametrize("suffix", [1, 3, TILE + 1, 200], ids=lambda n: f"suffix{n}")
 def test_prefill_on_cached_kv_equals_recompute_bit_for_bit(split: int, suffix: int) -> None:
-    # The demo's check rests on this: KV computed in an earlier, shorter call
-    # and a suffix computed on top of it give the logits of one full prefill.
+    # The model is chunking invariant: KV computed in earlier, shorter calls
+    # and a suffix computed on top of it give the bytes and the logits of one
+    # full prefill. The demo does not require it (other CPUs, other BLAS
+    # libraries) but reports it; on this machine it holds.
     model = DemoModel(DemoSettings.quick().model, seed=3)
     rng = random.Random(split * 1000 + suffix)
     prompt = [rng.randrange(model.config.vocab) for _ in range(split + suffix)]
     blocks = -(-len(prompt) // 16)
     cache = model.new_cache(2 * blocks, 16)
     table = list(range(blocks, 2 * blocks))  # other device blocks than the full run's
-    model.forward(cache, table, prompt[:split], 0)
+    # The prefix in two uneven calls, neither aligned with a tile.
+    model.forward(cache, table, prompt[: split // 3 + 1], 0)
+    if split // 3 + 1 < split:
+        model.forward(cache, table, prompt[split // 3 + 1 : split], split // 3 + 1)
     logits = model.forward(cache, table, prompt[split:], split)
     full = model.new_cache(blocks, 16)
     expected = model.forward(full, list(range(blocks)), prompt, 0)

@@ -7,20 +7,30 @@ way vLLM lays it out, one tensor per layer shaped
 ``(2, num_blocks, block_tokens, kv_heads, head_dim)``, so that kvtier moves the
 same kind of bytes it moves for a real serving engine.
 
-The demo checks that a prompt served from loaded KV blocks gives exactly what a
-full recompute gives, so the forward pass is written to be *batch invariant*:
-a token's keys, values and logits do not depend on how many other tokens were
-computed in the same call, nor on how long the context was when its KV was
-written. Three rules give that on CPU:
+The demo serves prompts on top of KV blocks that kvtier loaded and compares
+them with a full recompute. kvtier guarantees the blocks' bytes; whether the
+logits are then equal bit for bit depends on the model's arithmetic. A BLAS
+picks its kernel by the shape of a product, so a token computed in a call of
+300 rows and in one of 1,400 may be rounded differently (on one AVX-512 Xeon
+the first token's logits moved by up to 2e-4 that way). So the forward pass is
+written to be *chunking invariant*: every value of a position comes from the
+same operations, on tensors of the same shapes, whatever call computes it.
 
-* every matrix product has at least :data:`MIN_ROWS` rows (fewer rows switch
-  BLAS to other kernels, whose sums round differently), so short inputs are
-  padded with rows that are computed and thrown away;
-* attention reads keys and values only from the cache (after writing the new
-  ones), in their storage dtype, so loaded and recomputed KV enter it alike;
-* attention runs over fixed blocks of :data:`KEY_BLOCK` keys aligned at
-  position 0 with a fixed summation order, so keys past a query's position
-  add exact zeros whatever the context length.
+* Positions go in tiles of :data:`TILE`, aligned at position 0, and every
+  operation works on one tile's rows: every product has ``TILE`` rows, and a
+  position is always at the same row of the same tile. A call computes each
+  tile that holds one of its positions whole, and throws away the rows of
+  positions it does not own.
+* A tile's attention reads the keys and values of positions 0 to the tile's
+  end from the cache, in their storage dtype, so loaded and computed KV enter
+  it alike. Keys past a row's position are masked with -inf and so weigh
+  exactly 0, whether they exist yet or not.
+
+This rests on each kernel giving the same bits for the same shapes, strides
+and inputs within one process, and on a row of a product depending on that
+row alone: true of BLAS kernels, which have no data-dependent paths, but
+promised by none. The demo therefore does not rest its verdict on it (see
+:mod:`kvtier.demo.serving`): it reports how many logits came out bit for bit.
 """
 
 from __future__ import annotations
@@ -33,16 +43,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["KEY_BLOCK", "MIN_ROWS", "QUERY_CHUNK", "DemoModel", "Generation", "ModelConfig"]
+__all__ = ["TILE", "DemoModel", "Generation", "ModelConfig"]
 
-MIN_ROWS = 16
-"""Fewest rows a matrix product is computed with (see the module docstring)."""
-
-KEY_BLOCK = 256
-"""Keys per attention block: every key-side product has this shape."""
-
-QUERY_CHUNK = 256
-"""Query rows per attention chunk (bounds the memory of the scores)."""
+TILE = 16
+"""Positions per tile: every product has this many rows (see the module docstring)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,9 +195,18 @@ class DemoModel:
         torch.Tensor
             The float32 logits after the last token, shaped ``(vocab,)``.
 
+        Raises
+        ------
+        ValueError
+            When ``tokens`` is empty, or its positions exceed the block table
+            or the rotary table.
+
         Notes
         -----
-        Writes the keys and values of ``tokens`` into their cache slots.
+        Writes the keys and values of ``tokens`` into their cache slots, and
+        nothing else. Computes whole tiles of :data:`TILE` positions (see the
+        module docstring): the rows of a tile's positions outside
+        ``[start, start + len(tokens))`` are computed and thrown away.
         """
         c = self.config
         n = len(tokens)
@@ -204,37 +217,75 @@ class DemoModel:
         if end > c.max_positions or len(block_table) * block_tokens < end:
             raise ValueError(f"positions up to {end} exceed the block table or the model")
         table = torch.as_tensor(list(block_table), dtype=torch.long)
-        pos = torch.arange(start, end)
-        rows = max(n, MIN_ROWS)
-        # Padding rows repeat the last position: they attend like it, and are dropped.
-        qpos = torch.cat([pos, pos[-1:].expand(rows - n)])
-        ids = torch.as_tensor(list(tokens), dtype=torch.long)
-        x = self.embed[torch.cat([ids, ids[-1:].expand(rows - n)])]
-        slots = table[pos // block_tokens] * block_tokens + pos % block_tokens
-        ctx = torch.arange(end)
+        first = start - start % TILE
+        last = -(-end // TILE) * TILE
+        # A row of a position this call does not compute repeats the nearest
+        # one it does: it stays finite, and is thrown away.
+        qpos = torch.arange(first, last).clamp(start, end - 1)
+        ids = torch.as_tensor(list(tokens), dtype=torch.long)[qpos - start]
+        slots = table[qpos // block_tokens] * block_tokens + qpos % block_tokens
+        tiles = [
+            _Tile(first + lo, qpos[lo : lo + TILE], start, end)
+            for lo in range(0, last - first, TILE)
+        ]
+        xs = [self.embed[ids[t.base - first : t.base - first + TILE]] for t in tiles]
+        ctx = torch.arange(start)
         ctx_slots = table[ctx // block_tokens] * block_tokens + ctx % block_tokens
-        cos, sin = self._cos[qpos], self._sin[qpos]
-        chunks = _causal_bias(qpos, end)
-        q_width, kv_width = c.heads * c.head_dim, c.kv_heads * c.head_dim
         for layer in range(c.layers):
-            h = _rms_norm(x, self.attn_norm[layer], c.norm_eps)
-            qkv = F.linear(h, self.qkv[layer])
-            q = qkv[:, :q_width].reshape(rows, c.heads, c.head_dim)
-            k = qkv[:, q_width : q_width + kv_width].reshape(rows, c.kv_heads, c.head_dim)
-            v = qkv[:, q_width + kv_width :].reshape(rows, c.kv_heads, c.head_dim)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             flat = cache[layer].view(2, -1, c.kv_heads, c.head_dim)
-            flat[0, slots] = k[:n].to(c.kv_dtype)
-            flat[1, slots] = v[:n].to(c.kv_dtype)
-            keys, values = flat[0, ctx_slots].float(), flat[1, ctx_slots].float()
-            attn = _attention(q, keys, values, chunks)
-            x = x + F.linear(attn, self.out[layer])
-            h = _rms_norm(x, self.mlp_norm[layer], c.norm_eps)
-            gate, up = F.linear(h, self.gate_up[layer]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, self.down[layer])
-        # Only the last position's logits are used: sampling needs no others.
-        last = _rms_norm(x[n - 1 : n].expand(MIN_ROWS, -1), self.final_norm, c.norm_eps)
-        return F.linear(last, self.embed)[0].clone()
+            # The context's keys and values as attention reads them: float32
+            # from the storage dtype, so loaded and computed KV enter alike.
+            # Values carry a column of ones: one product sums e @ v and e.
+            keys = torch.zeros(c.kv_heads, last, c.head_dim)
+            values = torch.zeros(c.kv_heads, last, c.head_dim + 1)
+            keys[:, :start] = flat[0, ctx_slots].float().transpose(0, 1)
+            values[:, :start, : c.head_dim] = flat[1, ctx_slots].float().transpose(0, 1)
+            values[:, :, c.head_dim] = 1.0
+            for i, tile in enumerate(tiles):
+                xs[i] = self._layer(
+                    layer, xs[i], tile, flat, slots[tile.base - first :], keys, values
+                )
+        row = end - 1 - tiles[-1].base
+        logits = F.linear(_rms_norm(xs[-1], self.final_norm, c.norm_eps), self.embed)
+        return logits[row].clone()
+
+    def _layer(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        tile: _Tile,
+        flat: torch.Tensor,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decoder layer over one tile's rows ``x``; writes the tile's own KV.
+
+        ``flat`` is the layer's cache viewed as ``(2, slots, kv_heads, dim)``,
+        ``slots`` the cache slots of the tile's rows (and of later rows),
+        ``keys`` and ``values`` the float context of :meth:`forward`.
+        """
+        c = self.config
+        q_width, kv_width = c.heads * c.head_dim, c.kv_heads * c.head_dim
+        h = _rms_norm(x, self.attn_norm[layer], c.norm_eps)
+        qkv = F.linear(h, self.qkv[layer])
+        cos, sin = self._cos[tile.qpos], self._sin[tile.qpos]
+        q = _rope(qkv[:, :q_width].reshape(TILE, c.heads, c.head_dim), cos, sin)
+        k = _rope(
+            qkv[:, q_width : q_width + kv_width].reshape(TILE, c.kv_heads, c.head_dim), cos, sin
+        )
+        v = qkv[:, q_width + kv_width :].reshape(TILE, c.kv_heads, c.head_dim)
+        lo, hi = tile.own
+        k_own, v_own = k[lo:hi].to(c.kv_dtype), v[lo:hi].to(c.kv_dtype)
+        flat[0, slots[lo:hi]] = k_own
+        flat[1, slots[lo:hi]] = v_own
+        keys[:, tile.base + lo : tile.base + hi] = k_own.float().transpose(0, 1)
+        values[:, tile.base + lo : tile.base + hi, : c.head_dim] = v_own.float().transpose(0, 1)
+        attn = _attention(q, keys, values, tile)
+        x = x + F.linear(attn, self.out[layer])
+        h = _rms_norm(x, self.mlp_norm[layer], c.norm_eps)
+        gate, up = F.linear(h, self.gate_up[layer]).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down[layer])
 
     def generate(
         self,
@@ -287,71 +338,48 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def _causal_bias(qpos: torch.Tensor, total: int) -> list[tuple[int, int, int, torch.Tensor]]:
-    """Per query chunk of :func:`_attention`: its rows, key limit and additive mask.
+class _Tile:
+    """The rows of one tile in one call of :meth:`DemoModel.forward`."""
 
-    The mask is 0 where a query may see a key and -inf elsewhere (a key past
-    its position, or a padding key past ``total``); adding 0 is exact, so the
-    mask changes nothing it lets through. One mask serves every layer.
-    """
-    rows = qpos.shape[0]
-    padded = -(-total // KEY_BLOCK) * KEY_BLOCK
-    key_pos = torch.arange(padded)
-    chunks = []
-    for start in range(0, rows, QUERY_CHUNK):
-        # A short last chunk takes rows from before it: products keep MIN_ROWS rows.
-        lo = max(0, min(start, rows - MIN_ROWS))
-        hi = min(start + QUERY_CHUNK, rows)
-        limit = min(padded, (int(qpos[lo:hi].max()) // KEY_BLOCK + 1) * KEY_BLOCK)
-        keys = key_pos[None, :limit]
-        seen = (keys <= qpos[lo:hi, None]) & (keys < total)
-        bias = torch.zeros(hi - lo, limit).masked_fill_(~seen, -math.inf)
-        chunks.append((lo, hi, limit, bias))
-    return chunks
+    __slots__ = ("base", "bias", "own", "qpos")
+
+    def __init__(self, base: int, qpos: torch.Tensor, start: int, end: int) -> None:
+        self.base = base
+        """Position of the tile's first row (a multiple of :data:`TILE`)."""
+        self.qpos = qpos
+        """Position of each row (a row the call does not own repeats a neighbour's)."""
+        self.own = (max(start - base, 0), min(end - base, TILE))
+        """The rows ``[lo, hi)`` whose positions the call computes."""
+        key_pos = torch.arange(base + TILE)
+        # Adding 0 is exact: the mask changes nothing that it lets through.
+        self.bias = torch.zeros(TILE, base + TILE).masked_fill_(
+            key_pos[None, :] > qpos[:, None], -math.inf
+        )
+        """Additive mask ``(TILE, base + TILE)``: 0 where a row sees a key, -inf past it."""
 
 
 def _attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    chunks: list[tuple[int, int, int, torch.Tensor]],
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tile: _Tile
 ) -> torch.Tensor:
-    """Causal grouped-query attention of ``q`` over the context's ``k`` and ``v``.
+    """Causal grouped-query attention of one tile's queries over the keys up to its end.
 
-    ``q`` is ``(rows, heads, dim)``, ``k`` and ``v`` are ``(T, kv_heads, dim)``.
-
-    Queries go in the chunks of :func:`_causal_bias`; each reads the key blocks
-    of :data:`KEY_BLOCK` keys (from position 0, zero-padded to whole blocks) up
-    to its last position. A first pass takes the row maxima; a second sums, per
-    key block and in block order, the exponentials times the values and (through
-    a column of ones beside the values) the exponentials themselves, so every
-    key-side product has the same shape whatever ``T``. Keys past a query's
-    position give exactly 0 in both sums, so its result does not depend on how
-    many keys lie past it, nor on which blocks its chunk skipped.
+    ``q`` is ``(TILE, heads, dim)``; ``keys`` ``(kv_heads, T, dim)`` and
+    ``values`` ``(kv_heads, T, dim + 1)`` (the last column ones) hold the
+    context from position 0, ``T`` at least the tile's end. Every product has
+    the shape the tile's position gives it, whatever ``T``: keys past a row's
+    position enter with weight exactly 0.
     """
-    rows, heads, dim = q.shape
-    kv_heads = k.shape[1]
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads = keys.shape[0]
     group = heads // kv_heads
-    total = k.shape[0]
-    padded = -(-total // KEY_BLOCK) * KEY_BLOCK
-    kt = torch.zeros(kv_heads, dim, padded)
-    kt[:, :, :total] = k.permute(1, 2, 0)
-    # The values with a column of ones: one product gives the sum of e @ v and of e.
-    vt = torch.zeros(kv_heads, padded, dim + 1)
-    vt[:, :total, :dim] = v.permute(1, 0, 2)
-    vt[:, :total, dim] = 1.0
-    # (kv_heads, group, rows, dim): the queries sharing a key head form one product.
-    qg = (q * (1.0 / math.sqrt(dim))).view(rows, kv_heads, group, dim).permute(1, 2, 0, 3)
-    out = torch.empty(kv_heads, group, rows, dim)
-    for lo, hi, limit, bias in chunks:
-        n = hi - lo
-        qc = qg[:, :, lo:hi].reshape(kv_heads, group * n, dim)
-        scores = torch.bmm(qc, kt[:, :, :limit])
-        scores.view(kv_heads, group, n, limit).add_(bias)
+    limit = tile.base + TILE
+    # (kv_heads, group * TILE, dim): the queries sharing a key head form one product.
+    qg = (q * (1.0 / math.sqrt(dim))).view(TILE, kv_heads, group, dim).permute(1, 2, 0, 3)
+    out = torch.empty(kv_heads, group, TILE, dim)
+    for h in range(kv_heads):
+        scores = torch.mm(qg[h].reshape(group * TILE, dim), keys[h, :limit].t())
+        scores.view(group, TILE, limit).add_(tile.bias)
         scores.sub_(scores.amax(-1, keepdim=True)).exp_()
-        acc = torch.zeros(kv_heads, group * n, dim + 1)
-        for b in range(0, limit, KEY_BLOCK):
-            acc.baddbmm_(scores[:, :, b : b + KEY_BLOCK], vt[:, b : b + KEY_BLOCK])
-        acc = acc.view(kv_heads, group, n, dim + 1)
-        out[:, :, lo:hi] = acc[..., :dim] / acc[..., dim:]
-    return out.permute(2, 0, 1, 3).reshape(rows, heads * dim)
+        acc = torch.mm(scores, values[h, :limit]).view(group, TILE, dim + 1)
+        out[h] = acc[..., :dim] / acc[..., dim:]
+    return out.permute(2, 0, 1, 3).reshape(TILE, heads * dim)

@@ -8,12 +8,17 @@ blocks. The CPU stands in for the GPU: the "device" KV tensors are CPU tensors.
 The CPU tier and the file tier (in a temporary directory) are sized from the
 workload so that its KV does not fit in them: hits come from both.
 
-Once served, every prompt is computed again from scratch on a cache of its
-own, queued on the same model thread among the other requests, so that it runs
-under the same conditions: that is the ground truth each served request is
-compared with (the greedy tokens, and the first token's logits bit for bit),
-and the full recompute whose time to first token the report sets beside
-kvtier's.
+Every loaded block is checked, while its request holds it, against a digest
+of the bytes stored under its key (:mod:`kvtier.demo.check`). Once served,
+every prompt is computed again from scratch on a cache of its own, queued on
+the same model thread among the other requests, so that it runs under the same
+conditions: that is the ground truth each served request is compared with (the
+greedy tokens, and the first token's logits within a tolerance, bit for bit
+where the model's arithmetic allows), and the full recompute whose time to
+first token the report sets beside kvtier's. On that recompute's cache, with
+the prefix in place, the part of the prompt that kvtier's request computed is
+computed again: the floor, kvtier's time to first token if loading cost
+nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from typing import Literal, TypeVar
 import torch
 
 from kvtier.config import FileTierConfig, KVTierConfig
-from kvtier.demo.model import MIN_ROWS, DemoModel, ModelConfig
+from kvtier.demo.check import BlockLedger, Verdict, block_digest, judge
+from kvtier.demo.model import TILE, DemoModel, Generation, ModelConfig
 from kvtier.demo.report import TierFigures, read_statistics
 from kvtier.demo.workload import (
     Conversation,
@@ -78,7 +84,8 @@ class DemoSettings:
     system's temporary directory)."""
     corrupt_one_block: bool = False
     """Test hook: zero one loaded device block of the first request that loads
-    any, as a tier returning wrong bytes would; the check must catch it."""
+    any, as a tier returning wrong bytes would; the check of loaded blocks
+    must catch it, and the demo fail."""
 
     @classmethod
     def quick(cls) -> DemoSettings:
@@ -145,12 +152,16 @@ class RequestRecord:
     """Prefill of the tokens not loaded, to the first token's logits."""
     tokens: tuple[int, ...]
     """The greedy tokens generated."""
+    blocks_wrong: int = 0
+    """Loaded blocks whose bytes were not those stored under their key."""
     recompute_s: float = math.nan
     """Prefill of the whole prompt from scratch, to the first token's logits."""
-    tokens_identical: bool = False
-    """The recompute generated the same tokens."""
-    logits_identical: bool = False
-    """The recompute gave the first token's logits bit for bit."""
+    floor_s: float = math.nan
+    """Prefill of the tokens this request computed, with the prefix already in
+    place (computed, not loaded): its time to first token if loading cost
+    nothing. Nan when nothing was loaded."""
+    verdict: Verdict | None = None
+    """The comparison with the recompute (None until checked)."""
 
     @property
     def source(self) -> Source:
@@ -165,9 +176,9 @@ class RequestRecord:
         return self.load_s + self.prefill_s
 
     @property
-    def identical(self) -> bool:
-        """Tokens and logits both equal those of the recompute."""
-        return self.tokens_identical and self.logits_identical
+    def correct(self) -> bool:
+        """Checked, and every check held (:attr:`Verdict.correct`)."""
+        return self.verdict is not None and self.verdict.correct
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,8 +198,18 @@ class DemoResult:
 
     @property
     def mismatches(self) -> int:
-        """Requests whose output differs from the recompute."""
-        return sum(not r.identical for r in self.records)
+        """Requests that failed a check: a wrong block, other tokens or logits out of tolerance."""
+        return sum(not r.correct for r in self.records)
+
+    @property
+    def largest_logits_difference(self) -> tuple[float, float]:
+        """The largest difference of first-token logits from the recompute's seen,
+        and the same as a share of that recompute's largest logit."""
+        verdicts = [r.verdict for r in self.records if r.verdict is not None]
+        worst = max(verdicts, key=lambda v: v.logits_difference, default=None)
+        if worst is None:
+            return 0.0, 0.0
+        return worst.logits_difference, worst.logits_difference / worst.logits_scale
 
 
 Progress = Callable[[Literal["served", "verified"], RequestRecord, int, int], None]
@@ -329,7 +350,7 @@ async def run_demo(
     try:
         # A server warms up before it takes requests: the first forward passes
         # of a process pay for allocations and kernel selection.
-        warm = [t % c.vocab for t in range(3 * MIN_ROWS)]
+        warm = [t % c.vocab for t in range(3 * TILE)]
         await worker.run(
             functools.partial(model.generate, scratch, range(request_blocks), warm, 0, 2)
         )
@@ -386,6 +407,7 @@ class _ServingLoop:
         self._device = _DeviceBlocks(kv[0].shape[1])
         self._progress = progress
         self._corrupt = settings.corrupt_one_block
+        self._ledger = BlockLedger()
         self._served = 0
         self._checked: list[RequestRecord] = []
         self._total = 0
@@ -442,11 +464,24 @@ class _ServingLoop:
                 bad = ids[loaded * bpc // 2]
                 for t in self._kv:
                     t[:, bad].zero_()
+            # Checked while this request holds the blocks: nothing else writes
+            # them, and its prefill only writes the blocks after them.
+            digests = await asyncio.to_thread(self._digests, ids, 0, loaded)
+            wrong = sum(
+                not self._ledger.matches(k, d)
+                for k, d in zip(usable[:loaded], digests, strict=True)
+            )
             gen, queue_s = await self._worker.run(
                 lambda: self._model.generate(self._kv, ids, prompt, start, answer_tokens)
             )
             seq = prompt + gen.tokens[:-1]
             stored = chain_keys(seq, engine.block_tokens, engine.namespace)
+            # Only what this request computed is a reference: the blocks it
+            # loaded are checked, never vouched for. Recorded before the store,
+            # which another request may find as soon as it is under way.
+            computed = await asyncio.to_thread(self._digests, ids, loaded, len(stored))
+            for key, digest in zip(stored[loaded:], computed, strict=True):
+                self._ledger.record(key, digest)
             await engine.store(stored, ids[: len(stored) * bpc])
         finally:
             await self._device.give(ids)
@@ -462,30 +497,49 @@ class _ServingLoop:
             queue_s=queue_s,
             prefill_s=gen.prefill_s,
             tokens=tuple(gen.tokens),
+            blocks_wrong=wrong,
         )
         self._served += 1
         if self._progress is not None:
             self._progress("served", record, self._served, self._total)
         return _Served(record, prompt, gen.first_logits)
 
+    def _digests(self, ids: Sequence[int], lo: int, hi: int) -> list[bytes]:
+        """Digests of offloaded blocks ``lo`` to ``hi`` of the request holding ``ids``."""
+        bpc = self._settings.blocks_per_chunk
+        return [block_digest(self._kv, ids[i * bpc : (i + 1) * bpc]) for i in range(lo, hi)]
+
+    def _recompute(self, prompt: list[int], start: int) -> tuple[Generation, float]:
+        """The full recompute of ``prompt`` on the scratch cache, then the floor:
+        ``prompt[start:]`` again, on top of the prefix that the recompute left."""
+        table = range(self._scratch[0].shape[1])
+        ref = self._model.generate(
+            self._scratch, table, prompt, 0, self._settings.workload.answer_tokens
+        )
+        if not start:
+            return ref, math.nan
+        began = time.perf_counter()
+        int(self._model.forward(self._scratch, table, prompt[start:], start).argmax())
+        return ref, time.perf_counter() - began
+
     async def _check(self, served: _Served) -> None:
         """Recompute ``served``'s prompt from scratch on the scratch cache, and compare."""
-        table = range(self._scratch[0].shape[1])
-        ref, _ = await self._worker.run(
-            functools.partial(
-                self._model.generate,
-                self._scratch,
-                table,
-                served.prompt,
-                0,
-                self._settings.workload.answer_tokens,
-            )
+        r = served.record
+        (ref, floor_s), _ = await self._worker.run(
+            functools.partial(self._recompute, served.prompt, r.loaded_tokens)
         )
         record = replace(
-            served.record,
+            r,
             recompute_s=ref.prefill_s,
-            tokens_identical=tuple(ref.tokens) == served.record.tokens,
-            logits_identical=torch.equal(ref.first_logits, served.first_logits),
+            floor_s=floor_s,
+            verdict=judge(
+                r.tokens,
+                served.first_logits,
+                ref.tokens,
+                ref.first_logits,
+                blocks_loaded=r.loaded_tokens // self._engine.block_tokens,
+                blocks_wrong=r.blocks_wrong,
+            ),
         )
         self._checked.append(record)
         if self._progress is not None:
