@@ -10,7 +10,8 @@
 # only when an import fails), the C extensions built in place, the gpu-marked
 # tests, then check.py. Environment: PYTHON (default python3), OUT (results:
 # check.json), KVTIER_CHECK_BUILD=0 (use the extensions as they are),
-# KVTIER_CHECK_PYTEST=0 (skip the gpu-marked tests).
+# KVTIER_CHECK_PYTEST=0 (skip the gpu-marked tests), KVTIER_CHECK_TIMEOUT
+# (seconds check.py may run, default 400).
 #
 #   bash benchmarks/gpu/check.sh --prebuild /path/to/python3.12
 #
@@ -112,13 +113,14 @@ if [ "${KVTIER_CHECK_PYTEST:-1}" != 0 ]; then
     echo "== gpu-marked tests =="
     mapfile -t files < <(grep -rl --include='test_*.py' 'mark.gpu' tests | sort)
     echo "  ${files[*]}"
-    "$PY" -m pytest -q -m gpu -p no:cacheprovider "${files[@]}" 2>&1 | tail -25
+    # A hang must not take the whole run: a minute per test, three for them all.
+    timeout -k 10 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider -o timeout=60 "${files[@]}" 2>&1 | tail -25
     rc=${PIPESTATUS[0]}
     # 5: nothing selected ran (every gpu test skips without CUDA is fine; none at all is not)
     [ "$rc" = 0 ] || { echo "  pytest exited $rc"; status=1; }
 fi
 
 echo "== check.py =="
-"$PY" benchmarks/gpu/check.py "$@" || status=1
+timeout -k 10 "${KVTIER_CHECK_TIMEOUT:-400}" "$PY" benchmarks/gpu/check.py "$@" || status=1
 echo "check.sh: exit $status"
 exit $status
