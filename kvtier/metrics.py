@@ -1,0 +1,724 @@
+"""kvtier's tiers as Prometheus metrics: one catalogue, two fronts.
+
+The same names, labels and meanings reach Prometheus from either front, so one
+dashboard serves both (docs/operations.md, "Metrics", lists them all):
+
+* **inside vLLM**, :class:`~kvtier.integrations.vllm.spec.KVTierOffloadingSpec`
+  declares :data:`METRICS` through vLLM's ``build_metric_definitions`` and its
+  manager reports them from ``get_stats`` (a :class:`DeltaReporter` turns its
+  totals into what vLLM's stats object takes); vLLM publishes them on its own
+  ``/metrics``, with its ``model_name`` and ``engine`` labels added;
+* **beside an** :class:`~kvtier.Engine`, :class:`KVTierCollector` reads
+  :meth:`Engine.statistics() <kvtier.Engine.statistics>` at each scrape
+  (``prometheus_client``, the optional ``kvtier[metrics]`` extra)::
+
+      from kvtier.metrics import serve_metrics
+
+      server, _thread = serve_metrics(engine, 9400)  # GET :9400/metrics
+
+A tier of the chain is a value of the ``tier`` label (``cpu``, ``file``,
+``cluster``), never a metric of its own. Every figure of one tier is a field of
+:class:`TierMetrics` and its metric is ``kvtier_`` + the field's name, so the
+``metrics`` section of the vLLM front's ``statistics_file`` (JSON) carries the
+same names. Counters end in ``_total``; sizes are bytes and times seconds.
+Each :class:`MetricSpec` says which fronts report it (``fronts``).
+
+``prometheus_client`` is imported only by :class:`KVTierCollector` and the
+functions built on it: ``import kvtier`` never needs it, nor does the vLLM
+front (vLLM owns the registry there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+
+from kvtier.errors import ConfigurationError
+from kvtier.manager import ManagerStatistics
+from kvtier.tiers.base import TierStatistics
+from kvtier.tiers.cluster import ClusterTierStatistics
+from kvtier.tiers.file_tier import FileTierStatistics
+
+if TYPE_CHECKING:
+    import threading
+    from wsgiref.simple_server import WSGIServer
+
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.registry import CollectorRegistry
+
+    from kvtier.engine import Engine, EngineStatistics
+
+__all__ = [
+    "DEADLINE_MISSES",
+    "EVENTS_DROPPED",
+    "EVENTS_PUBLISHED",
+    "LOAD_SHORTFALLS",
+    "LOOKUPS",
+    "METRICS",
+    "READ_DURATION",
+    "RECOVERY_STATES",
+    "TIER_METRICS",
+    "WRITE_DURATION",
+    "Counted",
+    "DeltaReporter",
+    "KVTierCollector",
+    "MetricSpec",
+    "StatsSink",
+    "TierMetrics",
+    "as_json",
+    "engine_samples",
+    "engine_tiers",
+    "register_engine_metrics",
+    "samples",
+    "serve_metrics",
+    "tier_metrics",
+]
+
+RECOVERY_STATES = ("running", "complete", "failed")
+"""Values of the ``state`` label of ``kvtier_recovery_state``."""
+
+Kind = Literal["counter", "gauge", "histogram"]
+Front = Literal["engine", "vllm"]
+
+Samples = dict[str, dict[tuple[str, ...], float]]
+"""Metric name -> label values (``tier`` first, where it has one) -> value."""
+
+_BOTH: tuple[Front, ...] = ("engine", "vllm")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One metric, as both fronts declare it."""
+
+    name: str
+    """The full Prometheus name (a counter's with its ``_total``)."""
+    kind: Kind
+    """``counter``, ``gauge`` or ``histogram``."""
+    documentation: str
+    """The ``# HELP`` text."""
+    labelnames: tuple[str, ...] = ("tier",)
+    """kvtier's own labels (vLLM adds ``model_name`` and ``engine`` before them)."""
+    buckets: tuple[float, ...] | None = None
+    """A histogram's upper bounds, in seconds."""
+    fronts: tuple[Front, ...] = _BOTH
+    """The fronts that report it: ``engine`` (:class:`KVTierCollector`), ``vllm``."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierMetrics:
+    """One tier's figures, each the value of the metric ``kvtier_<field>{tier=...}``.
+
+    None where this tier, or the front reporting it, has no such figure: no
+    sample is reported then (not a zero). Counters count since the tier (or
+    the front) was opened.
+    """
+
+    lookup_hits_total: int | None = None
+    """Looked-up keys this tier served (the CPU tier: ready in a row; a lower
+    tier: read into a row for the lookup): over ``kvtier_lookups_total``, the
+    share of lookups each tier serves."""
+    read_blocks_total: int | None = None
+    """Blocks read out of this tier: CPU rows copied to the device (loads); a
+    lower tier's blocks read into CPU rows (promotions)."""
+    read_bytes_total: int | None = None
+    """Payload bytes of ``read_blocks_total``."""
+    written_blocks_total: int | None = None
+    """Blocks written into this tier: device blocks copied into CPU rows
+    (stores); CPU rows written to a lower tier (write-through, write-back)."""
+    written_bytes_total: int | None = None
+    """Payload bytes of ``written_blocks_total``."""
+    read_busy_seconds_total: float | None = None
+    """Time during which at least one read of this tier ran (overlapping reads
+    count once): ``rate(read_bytes) / rate(read_busy_seconds)`` is the
+    throughput while busy. Engine front."""
+    write_busy_seconds_total: float | None = None
+    """The same for writes. Engine front."""
+    promotions_total: int | None = None
+    """Blocks of this lower tier promoted into the CPU tier (read and verified)."""
+    promotion_failures_total: int | None = None
+    """Blocks a read from this lower tier did not deliver (absent, vanished,
+    failed verification, I/O error): each is a miss, recomputed."""
+    store_refusals_total: int | None = None
+    """Blocks offered to the CPU tier that it had no row for: every row
+    pinned by loads or held by writes in flight."""
+    write_failures_total: int | None = None
+    """Blocks whose write into this lower tier failed or could not start (I/O
+    error, no room, the tier still recovering)."""
+    integrity_failures_total: int | None = None
+    """Blocks read from this tier and refused by verification (checksum,
+    truncated, another namespace or key)."""
+    quarantined_blocks_total: int | None = None
+    """File tier: slots quarantined, failing verification or of another
+    namespace (found at open); never used for data again."""
+    evictions_total: int | None = None
+    """Blocks evicted from this tier to make room."""
+    vanished_blocks_total: int | None = None
+    """Cluster tier: blocks it was known to hold that were gone when read
+    (evicted by the server, removed by a peer)."""
+    resident_blocks: int | None = None
+    """Blocks held now (ready or being written; the cluster tier: those this
+    instance knows to be there)."""
+    pinned_blocks: int | None = None
+    """CPU tier: blocks held by loads or writes in flight (not evictable)."""
+    used_bytes: int | None = None
+    """Bytes of this tier holding blocks (CPU: rows x their payload; file: slots)."""
+    capacity_bytes: int | None = None
+    """Bytes this tier has for blocks (CPU: its rows' payload; file: the slots of
+    ``blocks.dat``): ``used_bytes / capacity_bytes`` is its usage."""
+    recovery_blocks: int | None = None
+    """File tier: blocks found valid when it opened (what survived a restart)."""
+    recovery_torn_slots: int | None = None
+    """File tier: slots found torn when it opened (writes a crash interrupted)."""
+    recovery_seconds: float | None = None
+    """File tier: how long the scan of ``blocks.dat`` took at open."""
+    recovery_state: str | None = None
+    """File tier: ``running``, ``complete`` or ``failed``; the gauge
+    ``kvtier_recovery_state{state=...}`` is 1 for it and 0 for the others."""
+
+    def as_dict(self) -> dict[str, int | float | str]:
+        """The figures this tier has, by field name (the ``statistics_file`` section)."""
+        return {f.name: value for f in fields(self) if (value := getattr(self, f.name)) is not None}
+
+
+# One line of `# HELP` per field (the docstrings above say more).
+_HELP = {
+    "lookup_hits_total": "Looked-up keys this tier served.",
+    "read_blocks_total": "Blocks read out of this tier (CPU: loads to the device; "
+    "lower tiers: promotions into CPU rows).",
+    "read_bytes_total": "Payload bytes read out of this tier.",
+    "written_blocks_total": "Blocks written into this tier (CPU: stores from the device; "
+    "lower tiers: writes of CPU rows).",
+    "written_bytes_total": "Payload bytes written into this tier.",
+    "read_busy_seconds_total": "Seconds during which at least one read of this tier ran.",
+    "write_busy_seconds_total": "Seconds during which at least one write into this tier ran.",
+    "promotions_total": "Blocks of this tier promoted into the CPU tier.",
+    "promotion_failures_total": "Blocks a read from this tier did not deliver.",
+    "store_refusals_total": "Blocks offered to this tier that it had no room for.",
+    "write_failures_total": "Blocks whose write into this tier failed or could not start.",
+    "integrity_failures_total": "Blocks read from this tier that failed verification.",
+    "quarantined_blocks_total": "Slots of this tier quarantined (bad data or another namespace's).",
+    "evictions_total": "Blocks evicted from this tier to make room.",
+    "vanished_blocks_total": "Blocks this tier was known to hold, gone when read.",
+    "resident_blocks": "Blocks held by this tier now.",
+    "pinned_blocks": "Blocks of this tier held by loads or writes in flight.",
+    "used_bytes": "Bytes of this tier holding blocks.",
+    "capacity_bytes": "Bytes this tier has for blocks.",
+    "recovery_blocks": "Blocks this tier found valid when it opened.",
+    "recovery_torn_slots": "Slots this tier found torn (interrupted writes) when it opened.",
+    "recovery_seconds": "Seconds this tier's recovery scan took when it opened.",
+    "recovery_state": "1 for this tier's recovery state (running, complete, failed), else 0.",
+}
+
+_ENGINE_ONLY = {"read_busy_seconds_total", "write_busy_seconds_total"}
+
+
+def _tier_spec(name: str) -> MetricSpec:
+    return MetricSpec(
+        "kvtier_" + name,
+        "counter" if name.endswith("_total") else "gauge",
+        _HELP[name],
+        ("tier", "state") if name == "recovery_state" else ("tier",),
+        fronts=("engine",) if name in _ENGINE_ONLY else _BOTH,
+    )
+
+
+TIER_METRICS: tuple[MetricSpec, ...] = tuple(_tier_spec(f.name) for f in fields(TierMetrics))
+"""One metric per :class:`TierMetrics` field, in field order, labelled by ``tier``."""
+
+_DURATION_BUCKETS = (
+    0.0001,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+LOOKUPS = MetricSpec(
+    "kvtier_lookups_total", "counter", "Keys looked up (every tier's hits count against it).", ()
+)
+READ_DURATION = MetricSpec(
+    "kvtier_read_duration_seconds",
+    "histogram",
+    "Seconds one read job of this tier took (CPU tier: from the scheduler step that "
+    "started the load to the one that saw it done).",
+    buckets=_DURATION_BUCKETS,
+    fronts=("vllm",),
+)
+WRITE_DURATION = MetricSpec(
+    "kvtier_write_duration_seconds",
+    "histogram",
+    "Seconds one write job into this tier took (CPU tier: from the scheduler step that "
+    "started the store to the one that saw it done).",
+    buckets=_DURATION_BUCKETS,
+    fronts=("vllm",),
+)
+DEADLINE_MISSES = MetricSpec(
+    "kvtier_lookup_deadline_misses_total",
+    "counter",
+    "Lookups answered as misses because a lower tier's read outlasted lookup_deadline_s.",
+    (),
+    fronts=("vllm",),
+)
+EVENTS_PUBLISHED = MetricSpec(
+    "kvtier_events_published_total",
+    "counter",
+    "Keys announced in KV cache events.",
+    (),
+    fronts=("vllm",),
+)
+EVENTS_DROPPED = MetricSpec(
+    "kvtier_events_dropped_total",
+    "counter",
+    "Keys of KV cache events dropped because nobody took them.",
+    (),
+    fronts=("vllm",),
+)
+LOAD_SHORTFALLS = MetricSpec(
+    "kvtier_load_shortfalls_total",
+    "counter",
+    "Blocks a load had promised but could not deliver.",
+    (),
+    fronts=("engine",),
+)
+
+METRICS: tuple[MetricSpec, ...] = (
+    LOOKUPS,
+    *TIER_METRICS,
+    READ_DURATION,
+    WRITE_DURATION,
+    DEADLINE_MISSES,
+    EVENTS_PUBLISHED,
+    EVENTS_DROPPED,
+    LOAD_SHORTFALLS,
+)
+"""Every metric kvtier reports; each front reports those naming it in ``fronts``."""
+
+_KIND = {spec.name: spec.kind for spec in METRICS}
+
+
+class Counted(Protocol):
+    """What a front counted for one tier: the engine's ``TierCounters``, a chain's counts."""
+
+    @property
+    def lookup_hits(self) -> int:
+        """Looked-up keys the tier served."""
+        ...
+
+    @property
+    def blocks_in(self) -> int:
+        """Blocks written into the tier (completed)."""
+        ...
+
+    @property
+    def blocks_out(self) -> int:
+        """Blocks read out of the tier (CPU: to the device; lower: into CPU rows)."""
+        ...
+
+
+Own = ManagerStatistics | FileTierStatistics | ClusterTierStatistics | TierStatistics
+
+
+def tier_metrics(
+    own: Own,
+    counted: Counted,
+    *,
+    row_bytes: int,
+    read_failures: int | None = None,
+    write_failures: int | None = None,
+) -> TierMetrics:
+    """One tier's figures from its own statistics and what the front counted for it.
+
+    Parameters
+    ----------
+    own
+        The tier's own record: the CPU tier's residency (``ManagerStatistics``),
+        or a lower tier's ``statistics()``.
+    counted
+        What the front counted for it (lookup hits, blocks in and out).
+    row_bytes
+        Payload bytes of one CPU row (the CPU tier's block).
+    read_failures, write_failures
+        A lower tier's failed reads and writes as the front counted them;
+        None takes the tier's own (``misses``, ``store_failures``).
+
+    Notes
+    -----
+    A lower tier's blocks and bytes read and written are its own counts, the
+    same under every front; the CPU tier's are the front's (the residency
+    manager moves no bytes).
+    """
+    if isinstance(own, ManagerStatistics):
+        return TierMetrics(
+            lookup_hits_total=counted.lookup_hits,
+            read_blocks_total=counted.blocks_out,
+            read_bytes_total=counted.blocks_out * row_bytes,
+            written_blocks_total=counted.blocks_in,
+            written_bytes_total=counted.blocks_in * row_bytes,
+            evictions_total=own.evictions,
+            resident_blocks=own.used,
+            pinned_blocks=own.pinned,
+            used_bytes=own.used * row_bytes,
+            capacity_bytes=own.capacity * row_bytes,
+        )
+    figures = TierMetrics(
+        lookup_hits_total=counted.lookup_hits,
+        read_blocks_total=own.hits,
+        read_bytes_total=own.bytes_read,
+        written_blocks_total=own.stores,
+        written_bytes_total=own.bytes_written,
+        promotions_total=counted.blocks_out,
+        promotion_failures_total=own.misses if read_failures is None else read_failures,
+        write_failures_total=own.store_failures if write_failures is None else write_failures,
+        resident_blocks=own.blocks,
+    )
+    if isinstance(own, FileTierStatistics):
+        return replace(
+            figures,
+            # Every block failing verification has its slot quarantined.
+            integrity_failures_total=own.quarantined,
+            quarantined_blocks_total=own.quarantined,
+            evictions_total=own.evictions,
+            used_bytes=own.used_bytes,
+            capacity_bytes=own.capacity_bytes,
+            recovery_blocks=own.recovered_blocks,
+            recovery_torn_slots=own.torn_slots,
+            recovery_seconds=own.recovery_seconds,
+            recovery_state=own.recovery,
+        )
+    if isinstance(own, ClusterTierStatistics):
+        return replace(
+            figures,
+            integrity_failures_total=own.verification_failures,
+            vanished_blocks_total=own.vanished,
+        )
+    return figures
+
+
+def engine_tiers(stats: EngineStatistics, row_bytes: int) -> dict[str, TierMetrics]:
+    """Each tier of an engine's chain (CPU first) and its figures.
+
+    The one place that knows where :class:`~kvtier.EngineStatistics` keeps
+    each tier's records.
+
+    Parameters
+    ----------
+    stats
+        :meth:`Engine.statistics() <kvtier.Engine.statistics>`.
+    row_bytes
+        Payload bytes of one CPU row (``layout.bytes_per_chunk * world_size``).
+    """
+    chain = (
+        ("cpu", stats.cpu, stats.cpu_traffic),
+        ("file", stats.file, stats.file_traffic),
+        ("cluster", stats.cluster, stats.cluster_traffic),
+    )
+    out: dict[str, TierMetrics] = {}
+    for name, own, traffic in chain:
+        if own is None or traffic is None:
+            continue
+        out[name] = replace(
+            tier_metrics(own, traffic, row_bytes=row_bytes),
+            read_busy_seconds_total=traffic.seconds_out,
+            write_busy_seconds_total=traffic.seconds_in,
+        )
+    out["cpu"] = replace(out["cpu"], store_refusals_total=stats.dropped)
+    return out
+
+
+def samples(tiers: Mapping[str, TierMetrics], extra: Samples | None = None) -> Samples:
+    """Every figure of ``tiers`` (tier name -> its figures) as samples, with ``extra``.
+
+    Fields that are None give no sample; ``recovery_state`` gives one sample per
+    state in :data:`RECOVERY_STATES`. ``extra`` holds the metrics without a
+    ``tier`` label (``kvtier_lookups_total``...).
+    """
+    out: Samples = dict(extra or {})
+    for tier, figures in tiers.items():
+        for spec, f in zip(TIER_METRICS, fields(TierMetrics), strict=True):
+            value = getattr(figures, f.name)
+            if value is None:
+                continue
+            series = out.setdefault(spec.name, {})
+            if isinstance(value, str):
+                for state in RECOVERY_STATES:
+                    series[(tier, state)] = float(state == value)
+            else:
+                series[(tier,)] = value
+    return out
+
+
+def as_json(values: Samples) -> dict[str, dict[str, float]]:
+    """``values`` for a JSON file: label values joined by commas (``"file,complete"``, ``""``)."""
+    return {name: {",".join(k): v for k, v in series.items()} for name, series in values.items()}
+
+
+def engine_samples(stats: EngineStatistics, row_bytes: int) -> Samples:
+    """Every metric of the Engine front, from one statistics snapshot."""
+    return samples(
+        engine_tiers(stats, row_bytes),
+        {
+            LOOKUPS.name: {(): stats.lookups},
+            LOAD_SHORTFALLS.name: {(): stats.load_shortfalls},
+        },
+    )
+
+
+class StatsSink(Protocol):
+    """Where a :class:`DeltaReporter` reports: vLLM's ``OffloadingConnectorStats``."""
+
+    def increase_counter(
+        self, name: str, value: int | float = 1, labelvalues: tuple[str, ...] = (), /
+    ) -> None:
+        """Add ``value`` to a counter."""
+        ...
+
+    def set_gauge(
+        self, name: str, value: int | float, labelvalues: tuple[str, ...] = (), /
+    ) -> None:
+        """Set a gauge."""
+        ...
+
+    def observe_histogram(
+        self, name: str, value: int | float, labelvalues: tuple[str, ...] = (), /
+    ) -> None:
+        """Record one observation of a histogram."""
+        ...
+
+
+class DeltaReporter:
+    """Totals and job durations, reported as vLLM's stats object takes them.
+
+    vLLM adds each counter value it gets to its Prometheus counter and sets
+    each gauge, once per scheduler step (the stats of every step are sent to
+    the front end and applied there). :meth:`report` therefore sends a
+    counter's increase since the last report (a total that went down, as
+    after a reset, restarts from zero), a gauge only when it changed, and the
+    durations observed since.
+
+    Parameters
+    ----------
+    limit
+        Durations and unfinished jobs kept at most between reports (the
+        oldest durations are dropped; stale jobs forgotten).
+
+    Notes
+    -----
+    :meth:`began` and :meth:`ended` may be called from two threads (the
+    scheduler's and kvtier's loop thread) for different jobs: each call is
+    one dictionary or deque operation, atomic under the GIL. :meth:`report`
+    is called by one thread.
+    """
+
+    def __init__(self, limit: int = 1 << 16) -> None:
+        self._last: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._started: dict[Hashable, float] = {}
+        self._limit = limit
+        self._durations: collections.deque[tuple[str, str, float]] = collections.deque(maxlen=limit)
+
+    def began(self, job: Hashable) -> None:
+        """A job starts now (``job``: any key its end will name)."""
+        if len(self._started) >= self._limit:
+            self._started.clear()  # jobs whose end never came (vLLM forgot them at a reset)
+        self._started[job] = time.perf_counter()
+
+    def ended(self, job: Hashable, metric: MetricSpec, tier: str) -> None:
+        """``job`` ended: observe its duration in ``metric`` (a histogram) for ``tier``."""
+        start = self._started.pop(job, None)
+        if start is not None:
+            self._durations.append((metric.name, tier, time.perf_counter() - start))
+
+    def report(self, values: Samples, sink: StatsSink) -> None:
+        """Send what changed in ``values`` since the last call, and the durations since."""
+        last = self._last
+        for name, series in values.items():
+            counter = _KIND[name] == "counter"
+            for labels, value in series.items():
+                key = (name, labels)
+                before = last.get(key)
+                if before == value:
+                    continue
+                last[key] = value
+                if not counter:
+                    sink.set_gauge(name, value, labels)
+                elif before is None or value < before:
+                    if value:
+                        sink.increase_counter(name, value, labels)
+                else:
+                    sink.increase_counter(name, value - before, labels)
+        durations = self._durations
+        while durations:
+            name, tier, seconds = durations.popleft()
+            sink.observe_histogram(name, seconds, (tier,))
+
+
+def _prometheus() -> Any:
+    try:
+        import prometheus_client
+        import prometheus_client.core  # the metric families of custom collectors
+    except ImportError as exc:
+        raise ConfigurationError(
+            "kvtier's Prometheus exporter needs prometheus_client: pip install kvtier[metrics]"
+        ) from exc
+    return prometheus_client
+
+
+_ENGINE_METRICS = tuple(
+    spec for spec in METRICS if "engine" in spec.fronts and spec.kind != "histogram"
+)
+
+
+class KVTierCollector:
+    """A ``prometheus_client`` collector over one :class:`~kvtier.Engine`'s statistics.
+
+    Register it in a registry (:func:`register_engine_metrics` does); each
+    scrape reads :meth:`Engine.statistics() <kvtier.Engine.statistics>` once.
+
+    Parameters
+    ----------
+    engine
+        The engine to report.
+    loop
+        The event loop the engine runs on. A scrape from another thread (the
+        HTTP server's) takes the snapshot on that loop, so that it never reads
+        the tiers while the loop changes them; a scrape on the loop's own
+        thread reads it at once. Defaults to the running loop when built in a
+        coroutine, else none (every scrape then reads from its own thread).
+    timeout
+        Seconds a scrape from another thread waits for the loop.
+
+    Raises
+    ------
+    ConfigurationError
+        ``prometheus_client`` is not installed (``pip install kvtier[metrics]``).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        _prometheus()
+        if loop is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+        self._engine = engine
+        self._loop = loop
+        self._timeout = timeout
+        self._row_bytes = engine.layout.bytes_per_chunk * engine.config.world_size
+
+    def describe(self) -> list[Metric]:
+        """The metrics this collector reports, without samples (read at registration)."""
+        return self._families({})
+
+    def collect(self) -> list[Metric]:
+        """Every metric of the engine's tiers, now.
+
+        Raises
+        ------
+        TimeoutError
+            The engine's loop did not run the snapshot within ``timeout``.
+        """
+        return self._families(engine_samples(self._statistics(), self._row_bytes))
+
+    def _statistics(self) -> EngineStatistics:
+        loop = self._loop
+        if loop is None or loop.is_closed() or not loop.is_running():
+            return self._engine.statistics()
+        try:
+            here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is loop:
+            return self._engine.statistics()
+
+        async def snapshot() -> EngineStatistics:
+            return self._engine.statistics()
+
+        future = asyncio.run_coroutine_threadsafe(snapshot(), loop)
+        try:
+            return future.result(self._timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    @staticmethod
+    def _families(values: Samples) -> list[Metric]:
+        core = _prometheus().core
+        kinds = {"counter": core.CounterMetricFamily, "gauge": core.GaugeMetricFamily}
+        out: list[Metric] = []
+        for spec in _ENGINE_METRICS:
+            family = kinds[spec.kind](spec.name, spec.documentation, labels=spec.labelnames)
+            for labels, value in values.get(spec.name, {}).items():
+                family.add_metric(list(labels), value)
+            out.append(family)
+        return out
+
+
+def register_engine_metrics(
+    engine: Engine,
+    registry: CollectorRegistry | None = None,
+    *,
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> KVTierCollector:
+    """Report ``engine``'s tiers in ``registry`` (``prometheus_client``'s default one if None).
+
+    Call it from the engine's event loop, or pass ``loop`` (see
+    :class:`KVTierCollector`). Remove it with ``registry.unregister(collector)``.
+
+    Raises
+    ------
+    ConfigurationError
+        ``prometheus_client`` is not installed (``pip install kvtier[metrics]``).
+    ValueError
+        ``registry`` already reports these metric names.
+    """
+    collector = KVTierCollector(engine, loop=loop)
+    target = _prometheus().REGISTRY if registry is None else registry
+    target.register(collector)
+    return collector
+
+
+def serve_metrics(
+    engine: Engine,
+    port: int,
+    *,
+    addr: str = "127.0.0.1",
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> tuple[WSGIServer, threading.Thread]:
+    """Serve ``engine``'s metrics, and only those, at ``http://addr:port/metrics``.
+
+    The server runs in a daemon thread with a registry of its own; stop it
+    with ``server.shutdown()`` then ``server.server_close()``. Port 0 picks a
+    free port (``server.server_port``). Call it from the engine's event loop,
+    or pass ``loop``.
+
+    Raises
+    ------
+    ConfigurationError
+        ``prometheus_client`` is not installed (``pip install kvtier[metrics]``).
+    OSError
+        The address cannot be bound.
+    """
+    prom = _prometheus()
+    registry = prom.CollectorRegistry(auto_describe=True)
+    register_engine_metrics(engine, registry, loop=loop)
+    served = prom.start_http_server(port, addr, registry)
+    return cast("tuple[WSGIServer, threading.Thread]", served)
