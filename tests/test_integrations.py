@@ -98,9 +98,25 @@ def test_settings_build_kvtiers_config(tmp_path: Path) -> None:
             id="empty-root",
         ),
         pytest.param(
-            {"cpu_bytes_to_use": "1GiB", "cluster_tier": {"nodes": ["127.0.0.1:7000"]}},
-            "cluster_tier is not supported inside vLLM yet",
-            id="cluster-tier",
+            {
+                "cpu_bytes_to_use": "1GiB",
+                "cluster_tier": {"nodes": ["127.0.0.1:7000"], "password": "s3cret"},
+            },
+            "cluster_tier.password would be logged by vLLM",
+            id="cluster-password-in-json",
+        ),
+        pytest.param(
+            {
+                "cpu_bytes_to_use": "1GiB",
+                "cluster_tier": {"nodes": ["127.0.0.1:7000"], "write_policy": "write_back"},
+            },
+            'cluster_tier.write_policy must be "write_through"',
+            id="cluster-write-back",
+        ),
+        pytest.param(
+            {"cpu_bytes_to_use": "1GiB", "lookup_deadline_s": 0},
+            "lookup_deadline_s must be a number of seconds",
+            id="deadline-zero",
         ),
     ],
 )
@@ -114,3 +130,35 @@ def test_a_root_that_is_a_file_is_a_configuration_error(tmp_path: Path) -> None:
     tier = {"root": str(tmp_path / "kv"), "bytes_to_use": "1GiB"}
     with pytest.raises(ConfigurationError, match=r"file_tier\.root: .*kv exists and is not a dir"):
         parse_extra_config({"cpu_bytes_to_use": "1GiB", "file_tier": tier})
+
+
+def test_the_cluster_password_comes_from_the_environment_or_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nodes = ["127.0.0.1:7000"]
+    monkeypatch.setenv("KVTIER_TEST_PASSWORD", "from-env")
+    s = parse_extra_config(
+        {
+            "cpu_bytes_to_use": "1GiB",
+            "lookup_deadline_s": 0.5,
+            "cluster_tier": {"nodes": nodes, "password_env": "KVTIER_TEST_PASSWORD"},
+        }
+    )
+    assert s.config.cluster_tier is not None
+    assert s.config.cluster_tier.password is not None
+    assert s.config.cluster_tier.password.get_secret_value() == "from-env"
+    assert s.lookup_deadline_s == 0.5
+    (tmp_path / "pw").write_text("from-file\n")
+    s = parse_extra_config(
+        {
+            "cpu_bytes_to_use": "1GiB",
+            "cluster_tier": {"nodes": nodes, "password_file": str(tmp_path / "pw")},
+        }
+    )
+    assert s.config.cluster_tier is not None
+    assert s.config.cluster_tier.password is not None
+    assert s.config.cluster_tier.password.get_secret_value() == "from-file"
+    with pytest.raises(ConfigurationError, match="not set"):
+        parse_extra_config(
+            {"cpu_bytes_to_use": "1GiB", "cluster_tier": {"nodes": nodes, "password_env": "NOPE_X"}}
+        )

@@ -154,7 +154,8 @@ def test_documented_vllm_serve_reuses_a_prefix(
     assert _metric(metrics, "vllm:external_prefix_cache_hits_total") >= 768
     log = (tmp_path / "serve.log").read_text()
     # kvtier's INFO reaches vLLM's log, in vLLM's format (process, pid, level, time).
-    assert re.search(r"\(EngineCore[^)]*pid=\d+\) INFO .*kvtier: file tier at ", log), log[-3000:]
+    said = r"\(EngineCore[^)]*pid=\d+\) INFO .*kvtier: file tier: io_engine "
+    assert re.search(said, log), log[-3000:]
 
     os.kill(proc.pid, signal.SIGTERM)  # by pid, as an operator would
     assert proc.wait(120) is not None

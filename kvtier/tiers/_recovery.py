@@ -91,6 +91,9 @@ class Recovery:
         """Slots found with an invalid header (an interrupted write), zeroed."""
         self.foreign = 0
         """Slots found with a header of another namespace, zeroed."""
+        self.keys: tuple[bytes, ...] = ()
+        """The keys of the blocks found, oldest first, until
+        :meth:`~kvtier.tiers.file_tier.FileTier.take_recovered_keys` takes them."""
 
     def text(self) -> str:
         """The tier, named for an error while it is not recovered."""
@@ -267,6 +270,7 @@ class Recovery:
                 mapping[mslot] = next(free)
         self._slots.file_slot = mapping
         self.recovered = len(order)
+        self.keys = tuple(order)
 
 
 # -- helpers (run in worker threads where they touch the disk) -------------------------

@@ -34,9 +34,18 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvtier.errors import KVTierError
+from kvtier.manager.events import ManagerEvent
 from kvtier.transfer.completion import Completion
 
-__all__ = ["LoadResult", "Refreshable", "StoreResult", "Tier", "TierStatistics"]
+__all__ = [
+    "Announces",
+    "LoadResult",
+    "Recovers",
+    "Refreshable",
+    "StoreResult",
+    "Tier",
+    "TierStatistics",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +141,32 @@ class Refreshable(Protocol):
         A failure to ask leaves keys unknown (a hint is not worth failing a
         request for); only misuse raises (bad keys, a closed tier).
         """
+        ...
+
+
+@runtime_checkable
+class Announces(Protocol):
+    """A tier that records its residency events (opened with ``enable_events``)."""
+
+    def take_events(self) -> list[ManagerEvent]:
+        """Residency events since the last call (blocks stored, evicted, quarantined)."""
+        ...
+
+
+@runtime_checkable
+class Recovers(Protocol):
+    """A tier that finds its blocks again at open (the file tier's slot file).
+
+    A scheduler side that mirrors the tier's residency on another thread
+    (:class:`~kvtier.chain.Chain`) seeds itself with what was found.
+    """
+
+    async def wait_recovered(self) -> None:
+        """Return once the blocks found at open are known (at once if they are)."""
+        ...
+
+    def take_recovered_keys(self) -> list[bytes]:
+        """The keys found at open and still held; once (later calls: ``[]``)."""
         ...
 
 

@@ -525,6 +525,18 @@ class FileTier(Tier):
         """Mark blocks used (as a hit would) without loading them; absent keys are ignored."""
         self._manager.touch(keys)
 
+    def take_recovered_keys(self) -> list[bytes]:
+        """The keys of the blocks recovery found that are still here; once (no I/O).
+
+        What a scheduler side that mirrors this tier's residency on another
+        thread seeds itself with (:class:`~kvtier.chain.Chain`); after a
+        background recovery, call it once :meth:`wait_recovered` returned.
+        Later calls return ``[]``: the list is released.
+        """
+        keys, self._recovery.keys = self._recovery.keys, ()
+        ready = self._manager.is_ready
+        return [k for k in keys if ready(k)]
+
     def take_events(self) -> list[ManagerEvent]:
         """Residency events since the last call (empty unless ``enable_events``)."""
         return self._manager.take_events()

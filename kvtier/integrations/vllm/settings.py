@@ -30,8 +30,19 @@ VLLM_KEYS = frozenset(
 """Keys of ``kv_connector_extra_config`` that vLLM's connector itself reads."""
 
 _OWN_KEYS = frozenset(
-    {"cpu_bytes_to_use", "eviction_policy", "file_tier", "statistics_file", "model_revision"}
+    {
+        "cpu_bytes_to_use",
+        "eviction_policy",
+        "file_tier",
+        "cluster_tier",
+        "statistics_file",
+        "model_revision",
+        "lookup_deadline_s",
+    }
 )
+
+DEFAULT_LOOKUP_DEADLINE_S = 2.0
+"""How long a lookup may wait on a lower tier's read or probe before it is a miss."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +56,9 @@ class VLLMSettings:
     model_revision: str | None = None
     """A name for the model's weights that replaces the fingerprint of its files
     in the namespace (see :func:`~kvtier.integrations.vllm.identity.model_identity`)."""
+    lookup_deadline_s: float = DEFAULT_LOOKUP_DEADLINE_S
+    """How long a lookup may answer "retry" while a lower tier is read or asked
+    before it answers "miss" (vLLM recomputes)."""
 
 
 def parse_extra_config(
@@ -59,16 +73,19 @@ def parse_extra_config(
         ``cpu_bytes_to_use`` (required), ``eviction_policy``, ``file_tier``
         (a table of :class:`~kvtier.config.FileTierConfig` fields: ``root``,
         ``bytes_to_use``, ``write_policy``, ``eviction_policy``, ...),
-        ``statistics_file`` and ``model_revision``; vLLM's own keys
-        (:data:`VLLM_KEYS`) are left to it.
+        ``cluster_tier`` (:class:`~kvtier.config.ClusterTierConfig` fields, the
+        password from ``password_env`` or ``password_file``),
+        ``statistics_file``, ``model_revision`` and ``lookup_deadline_s``;
+        vLLM's own keys (:data:`VLLM_KEYS`) are left to it.
     blocks_per_chunk, world_size
         vLLM's values (device blocks per offloaded block, worker processes).
 
     Raises
     ------
     ConfigurationError
-        For an unknown key, a bad value, a missing ``cpu_bytes_to_use``, or
-        ``write_policy = "write_back"`` (see Notes).
+        For an unknown key, a bad value, a missing ``cpu_bytes_to_use``,
+        ``write_policy = "write_back"`` (see Notes), or a cluster password in
+        the JSON.
 
     Notes
     -----
@@ -79,14 +96,6 @@ def parse_extra_config(
     if not isinstance(extra, Mapping):
         raise ConfigurationError(
             f"kv_connector_extra_config must be a mapping, got {type(extra).__name__}"
-        )
-    if "cluster_tier" in extra:
-        # A key of KVTierConfig that this front does not drive yet: not "unknown".
-        raise ConfigurationError(
-            "kv_connector_extra_config: cluster_tier is not supported inside vLLM yet (the "
-            "Engine drives it; see docs/vllm.md). Share KV between vLLM instances through "
-            "the CPU and file tiers of each instance for now",
-            (("cluster_tier", "not supported inside vLLM yet"),),
         )
     unknown = sorted(set(extra) - VLLM_KEYS - _OWN_KEYS)
     if unknown:
@@ -106,17 +115,33 @@ def parse_extra_config(
             (("canonical_layout", "not supported"),),
         )
     fields = {
-        k: extra[k] for k in ("cpu_bytes_to_use", "eviction_policy", "file_tier") if k in extra
+        k: extra[k]
+        for k in ("cpu_bytes_to_use", "eviction_policy", "file_tier", "cluster_tier")
+        if k in extra
     }
+    if "cluster_tier" in fields:
+        fields["cluster_tier"] = _cluster_secrets(fields["cluster_tier"])
     config = KVTierConfig.from_dict(
         {**fields, "blocks_per_chunk": blocks_per_chunk, "world_size": world_size}
     )
-    if config.file_tier is not None and config.file_tier.write_policy != "write_through":
+    for name, spec in config.chain:
+        if spec.write_policy != "write_through":
+            raise ConfigurationError(
+                f'kv_connector_extra_config: {name}_tier.write_policy must be "write_through" '
+                "inside vLLM (write-back would make vLLM's synchronous prepare_store wait "
+                "for the tier's writes)",
+                ((f"{name}_tier.write_policy", "write_back is not supported inside vLLM"),),
+            )
+    deadline = extra.get("lookup_deadline_s", DEFAULT_LOOKUP_DEADLINE_S)
+    if (
+        isinstance(deadline, bool)
+        or not isinstance(deadline, int | float)
+        or not 0 < deadline <= 600
+    ):
         raise ConfigurationError(
-            'kv_connector_extra_config: file_tier.write_policy must be "write_through" '
-            "inside vLLM (write-back would make vLLM's synchronous prepare_store wait for "
-            "disk writes)",
-            (("file_tier.write_policy", "write_back is not supported inside vLLM"),),
+            f"kv_connector_extra_config: lookup_deadline_s must be a number of seconds in "
+            f"(0, 600], got {deadline!r}",
+            (("lookup_deadline_s", "not a number of seconds in (0, 600]"),),
         )
     stats = extra.get("statistics_file")
     if stats is not None and not isinstance(stats, str):
@@ -131,7 +156,58 @@ def parse_extra_config(
             f"{revision!r}",
             (("model_revision", "not a non-empty string"),),
         )
-    return VLLMSettings(config, None if stats is None else _statistics_path(stats), revision)
+    return VLLMSettings(
+        config, None if stats is None else _statistics_path(stats), revision, float(deadline)
+    )
+
+
+def _cluster_secrets(table: object) -> object:
+    """``cluster_tier`` with its password read from the environment or a file.
+
+    vLLM logs ``kv_connector_extra_config`` whole at start-up: a password
+    there would land in every log. ``password_env`` names an environment
+    variable, ``password_file`` a file (its first line); ``password`` itself
+    is refused.
+    """
+    if not isinstance(table, Mapping):
+        return table  # KVTierConfig names the problem
+    out = dict(table)
+    if "password" in out:
+        raise ConfigurationError(
+            "kv_connector_extra_config: cluster_tier.password would be logged by vLLM "
+            "with the rest of kv_connector_extra_config: give password_env (an "
+            "environment variable's name) or password_file instead",
+            (
+                (
+                    "cluster_tier.password",
+                    "not accepted inside vLLM: use password_env or password_file",
+                ),
+            ),
+        )
+    env, path = out.pop("password_env", None), out.pop("password_file", None)
+    if env is not None and path is not None:
+        raise ConfigurationError(
+            "kv_connector_extra_config: cluster_tier takes password_env or password_file, not both",
+            (("cluster_tier.password_env", "given with password_file"),),
+        )
+    if env is not None:
+        if not isinstance(env, str) or env not in os.environ:
+            raise ConfigurationError(
+                f"kv_connector_extra_config: cluster_tier.password_env names {env!r}, which is "
+                "not set in this process's environment",
+                (("cluster_tier.password_env", "not set"),),
+            )
+        out["password"] = os.environ[env]
+    elif path is not None:
+        try:
+            out["password"] = Path(str(path)).read_text().splitlines()[0]
+        except (OSError, IndexError) as exc:
+            raise ConfigurationError(
+                f"kv_connector_extra_config: cluster_tier.password_file {path!r} cannot be "
+                f"read: {exc}",
+                (("cluster_tier.password_file", "unreadable or empty"),),
+            ) from exc
+    return out
 
 
 def _statistics_path(value: str) -> Path:

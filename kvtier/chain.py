@@ -1,0 +1,538 @@
+"""The chain of tiers, scheduler side: where every block is, and what to do next. No I/O.
+
+A :class:`Chain` is owned by one thread (a serving engine's scheduler) and
+answers at once: it holds the CPU tier's residency and, for each tier below
+it (file, cluster), the keys that tier holds as far as this instance knows.
+It decides the cascade and hands out *intents* for a driver to carry out on
+the tiers' own loop; the driver hands their *outcomes* back::
+
+    front (sync)          Chain (this module)                 driver (tiers' loop)
+    lookup(key)  ------>  HIT / PENDING / RETRY / MISS
+    place(keys)  ------>  rows for the leading keys that fit
+    stored(keys) ------>  write-through: rows pinned for the write
+                          take_intents() -> [Write, Read, Probe]  --> tier.store / load / refresh
+                          settle(outcome) <- [Written, Read done, Probed]  <--
+
+What it decides:
+
+* **Write-through.** A block stored from the device is written to every tier
+  below that takes stores; its row is pinned *for the write* (not a load)
+  until the write ends, so it cannot be evicted and reused meanwhile.
+* **Promotion.** A lookup of a block that only a lower tier holds reserves a
+  CPU row and answers RETRY; the driver reads the block into the row; once
+  verified it is a HIT. With ``promote_up``, a block promoted from a tier
+  also goes to the tiers above that tier (a cluster hit lands on the file
+  tier too).
+* **Probing a shared tier.** A tier other instances write (the cluster tier)
+  may hold blocks this instance never saw: a lookup of a key that no tier is
+  known to hold asks it (RETRY), in one batch per scheduler step.
+* **A lower tier's failure is a miss.** A failed read drops the block from
+  the tiers that said they had it, and the lookup answers MISS, never an
+  error. A lookup that has waited on a read or a probe past
+  ``lookup_deadline_s`` answers MISS: a stalled tier never holds a request
+  (the read goes on, and its block serves a later request).
+
+The vLLM front (:mod:`kvtier.integrations.vllm`) drives it from vLLM's
+scheduler thread, with the tiers on kvtier's loop thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.manager import ResidencyManager, StorePlan
+
+__all__ = [
+    "Answer",
+    "Chain",
+    "ChainStatistics",
+    "LowerTier",
+    "Probe",
+    "Probed",
+    "Read",
+    "ReadDone",
+    "TierChanged",
+    "TierCounts",
+    "Write",
+    "Written",
+]
+
+log = logging.getLogger("kvtier.chain")
+
+
+class Answer(enum.Enum):
+    """What :meth:`Chain.lookup` says of one block."""
+
+    HIT = "hit"
+    """Ready in a CPU row: load it now."""
+    PENDING = "pending"
+    """Its store from the device is in flight: it will be a hit."""
+    RETRY = "retry"
+    """A lower tier is being read or asked: ask again at a later step."""
+    MISS = "miss"
+    """No tier can serve it (or not in time): recompute it."""
+
+
+@dataclass(frozen=True, slots=True)
+class LowerTier:
+    """A tier below the CPU region, as the chain sees it (no object of the tier itself)."""
+
+    name: str
+    """``"file"``, ``"cluster"``: its name in statistics and logs."""
+    shared: bool = False
+    """Other instances write it too: keys this instance does not know are probed."""
+    takes_stores: bool = True
+    """Blocks stored from the device are written through to it."""
+    promote_up: bool = False
+    """A block promoted from it also goes to the tiers above it."""
+
+
+# -- intents and outcomes ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """Write the blocks of these CPU rows to a tier; the rows stay pinned until :class:`Written`."""
+
+    tier: int
+    """Index of the tier in the chain's lower tiers."""
+    keys: tuple[bytes, ...]
+    slots: tuple[int, ...]
+    """CPU row of each key."""
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """Read blocks from a tier into reserved CPU rows (a promotion)."""
+
+    tier: int
+    keys: tuple[bytes, ...]
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """Ask a shared tier which of these keys it holds (no rows involved)."""
+
+    tier: int
+    keys: tuple[bytes, ...]
+
+
+Intent = Write | Read | Probe
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """The outcome of a :class:`Write`."""
+
+    intent: Write
+    stored: frozenset[bytes]
+    """Keys the tier now holds (written, or already there)."""
+    evicted: tuple[bytes, ...] = ()
+    """Keys the tier evicted to make room."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadDone:
+    """The outcome of a :class:`Read`."""
+
+    intent: Read
+    loaded: frozenset[bytes]
+    """Keys whose rows now hold their verified bytes; the others are misses."""
+
+
+@dataclass(frozen=True, slots=True)
+class Probed:
+    """The outcome of a :class:`Probe`."""
+
+    intent: Probe
+    present: frozenset[bytes]
+    """Keys the tier holds (a hint: one may vanish before it is read)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierChanged:
+    """A tier's residency changed on its own: recovery found blocks, or it dropped some."""
+
+    tier: int
+    added: tuple[bytes, ...] = ()
+    removed: tuple[bytes, ...] = ()
+
+
+Outcome = Written | ReadDone | Probed | TierChanged
+
+
+# -- statistics ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class TierCounts:
+    """What the chain counted for one tier (names as in :class:`ChainStatistics`)."""
+
+    lookup_hits: int = 0
+    """Lookups answered from this tier (CPU: HIT; lower: its read succeeded)."""
+    blocks_in: int = 0
+    """Blocks written into it (CPU: from the device; lower: writes and promotions up)."""
+    blocks_out: int = 0
+    """Blocks read out of it (CPU: to the device; lower: promotions into CPU rows)."""
+    read_failures: int = 0
+    """Blocks a read from it failed to deliver (a miss)."""
+    write_failures: int = 0
+    """Blocks a write to it failed or could not start."""
+    probes: int = 0
+    """Keys asked of it (shared tiers)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChainStatistics:
+    """A snapshot of the chain's counters."""
+
+    tiers: dict[str, TierCounts]
+    """Per tier, by name: ``cpu`` first, then the lower tiers in order."""
+    lookups: int
+    """Keys looked up."""
+    store_refusals: int
+    """Blocks a :meth:`Chain.place` could not give a row."""
+    deadline_misses: int
+    """Lookups answered MISS because a read or probe outlasted the deadline."""
+    rows_held_by_writes: int
+    """CPU rows pinned now for writes to lower tiers."""
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """A key a lookup is waiting on: read or probed since ``since``."""
+
+    since: float
+    tier: int = -1
+    """The tier it is read from; -1 while probed."""
+    read: bool = False
+
+
+@dataclass(slots=True)
+class _Lower:
+    spec: LowerTier
+    known: dict[bytes, None] = field(default_factory=dict)
+    """Keys it holds as far as this instance knows (insertion order: oldest first)."""
+    counts: TierCounts = field(default_factory=TierCounts)
+    absent: dict[bytes, float] = field(default_factory=dict)
+    """Shared tiers: keys a probe found absent, and when (oldest first)."""
+
+    def learn(self, keys: Iterable[bytes], limit: int) -> None:
+        known = self.known
+        for k in keys:
+            known.pop(k, None)
+            known[k] = None
+            self.absent.pop(k, None)
+        # A shared tier's keys come from every instance: what this one
+        # remembers is bounded, the oldest forgotten (a later probe finds them).
+        while len(known) > limit:
+            del known[next(iter(known))]
+
+    def forget(self, keys: Iterable[bytes]) -> None:
+        for k in keys:
+            self.known.pop(k, None)
+
+
+class Chain:
+    """The CPU tier and the tiers below it, scheduler side (see the module docstring).
+
+    Parameters
+    ----------
+    cpu
+        The CPU region's residency (one slot per row).
+    lower
+        The tiers below it, highest first.
+    lookup_deadline_s
+        How long a lookup may answer RETRY for one block before it answers
+        MISS.
+    probe_ttl_s
+        How long a shared tier's "absent" answer stands before a lookup asks
+        again (another instance may have stored the block since).
+    known_limit
+        Keys remembered per shared tier (the oldest are forgotten).
+    clock
+        Monotonic seconds (tests pass their own).
+
+    Notes
+    -----
+    Not thread-safe: one thread owns it. A driver's outcomes are handed back
+    through :meth:`settle` on that thread.
+    """
+
+    def __init__(
+        self,
+        cpu: ResidencyManager,
+        lower: Sequence[LowerTier],
+        *,
+        lookup_deadline_s: float = 2.0,
+        probe_ttl_s: float = 1.0,
+        known_limit: int = 1 << 20,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cpu = cpu
+        self._lower = [_Lower(spec) for spec in lower]
+        self._deadline = lookup_deadline_s
+        self._probe_ttl = probe_ttl_s
+        self._known_limit = known_limit
+        self._clock = clock
+        self._cpu_counts = TierCounts()
+        self._waiting: dict[bytes, _Waiting] = {}
+        self._to_read: dict[bytes, int] = {}  # key -> tier, in lookup order
+        self._to_probe: dict[int, dict[bytes, None]] = {}
+        self._intents: list[Intent] = []
+        self._write_pins: dict[bytes, int] = {}
+        self._lookups = 0
+        self._refusals = 0
+        self._late = 0
+        self._logged_late = False
+
+    # -- what the front asks -------------------------------------------------------------
+
+    @property
+    def lower(self) -> tuple[LowerTier, ...]:
+        """The tiers below the CPU region, highest first."""
+        return tuple(t.spec for t in self._lower)
+
+    def lookup(self, key: bytes) -> Answer:
+        """Where ``key`` can be served from now; queues a read or a probe when it helps."""
+        self._lookups += 1
+        cpu = self.cpu
+        if cpu.lookup((key,)):
+            self._cpu_counts.lookup_hits += 1
+            self._waiting.pop(key, None)
+            return Answer.HIT
+        waiting = self._waiting.get(key)
+        if waiting is not None:
+            if self._clock() - waiting.since < self._deadline:
+                return Answer.RETRY
+            self._late += 1
+            if not self._logged_late:
+                self._logged_late = True
+                where = self._lower[waiting.tier].spec.name if waiting.read else "a shared tier"
+                log.warning(
+                    "kvtier: a lookup waited on %s for more than %.3f s (lookup_deadline_s): "
+                    "answered as a miss, the block is recomputed; logged once, counted as "
+                    "deadline_misses",
+                    f"a read from the {where} tier" if waiting.read else where,
+                    self._deadline,
+                )
+            return Answer.MISS
+        if key in cpu:
+            return Answer.PENDING  # its store from the device is in flight
+        for i, tier in enumerate(self._lower):
+            if key in tier.known:
+                self._to_read.setdefault(key, i)
+                self._waiting[key] = _Waiting(self._clock(), i, read=True)
+                return Answer.RETRY
+        now = self._clock()
+        for i, tier in enumerate(self._lower):
+            if tier.spec.shared and now - tier.absent.get(key, -1e300) >= self._probe_ttl:
+                self._to_probe.setdefault(i, {})[key] = None
+                self._waiting[key] = _Waiting(now)
+                return Answer.RETRY
+        return Answer.MISS
+
+    def place(self, keys: Sequence[bytes]) -> StorePlan | None:
+        """CPU rows for the longest prefix of the new ``keys`` that fits now, or None.
+
+        Keys in the CPU tier already are skipped; refused keys are counted.
+        """
+        todo = [k for k in keys if k not in self.cpu]
+        if not todo:
+            return None
+        plan = self._place(todo)
+        placed = 0 if plan is None else len(plan.keys)
+        self._refusals += len(todo) - placed
+        return plan
+
+    def stored(self, keys: Sequence[bytes], ok: bool) -> None:
+        """The device copy into the rows of ``keys`` ended; write them through if ``ok``."""
+        if not keys:
+            return
+        self.cpu.complete_store(keys, ok)
+        if ok:
+            self._cpu_counts.blocks_in += len(keys)
+            self._write_down(keys, range(len(self._lower)), store=True)
+
+    def pin_for_device_load(self, keys: Sequence[bytes]) -> tuple[int, ...]:
+        """Pin ready blocks for a copy to the device; their rows."""
+        plan = self.cpu.prepare_load(keys)
+        self._cpu_counts.blocks_out += len(keys)
+        return plan.slots
+
+    def unpin_device_load(self, keys: Sequence[bytes]) -> None:
+        """The copy to the device of ``keys`` ended."""
+        self.cpu.complete_load(keys)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark ready CPU blocks recently used."""
+        ready = [k for k in keys if self.cpu.is_ready(k)]
+        if ready:
+            self.cpu.touch(ready)
+
+    @property
+    def busy(self) -> bool:
+        """Reads, probes or writes are queued or in flight."""
+        return bool(self._waiting or self._to_read or self._to_probe or self._intents) or bool(
+            self._write_pins
+        )
+
+    @property
+    def waiting(self) -> bool:
+        """A lookup waits on a read or a probe (the front must keep stepping)."""
+        return bool(self._waiting or self._to_read or self._to_probe)
+
+    # -- intents and outcomes -------------------------------------------------------------
+
+    def take_intents(self) -> list[Intent]:
+        """What to carry out now: writes, reads into reserved rows, probes."""
+        self._start_reads()
+        for i, keys in self._to_probe.items():
+            self._lower[i].counts.probes += len(keys)
+            self._intents.append(Probe(i, tuple(keys)))
+        self._to_probe.clear()
+        out, self._intents = self._intents, []
+        return out
+
+    def settle(self, outcome: Outcome) -> None:
+        """Apply an outcome a driver handed back."""
+        if isinstance(outcome, Written):
+            self._settle_write(outcome)
+        elif isinstance(outcome, ReadDone):
+            self._settle_read(outcome)
+        elif isinstance(outcome, Probed):
+            tier = self._lower[outcome.intent.tier]
+            tier.learn(outcome.present, self._known_limit)
+            now, absent = self._clock(), tier.absent
+            for k in outcome.intent.keys:
+                if k not in outcome.present:
+                    absent.pop(k, None)
+                    absent[k] = now
+            while absent and now - next(iter(absent.values())) >= self._probe_ttl:
+                del absent[next(iter(absent))]
+            for k in outcome.intent.keys:
+                w = self._waiting.get(k)
+                if w is not None and not w.read:
+                    del self._waiting[k]  # the next lookup reads it, or asks the next tier
+        else:
+            tier = self._lower[outcome.tier]
+            tier.learn(outcome.added, self._limit(tier))
+            tier.forget(outcome.removed)
+
+    def statistics(self) -> ChainStatistics:
+        """A snapshot of the counters."""
+        tiers = {"cpu": TierCounts(**_fields(self._cpu_counts))}
+        for t in self._lower:
+            tiers[t.spec.name] = TierCounts(**_fields(t.counts))
+        return ChainStatistics(
+            tiers=tiers,
+            lookups=self._lookups,
+            store_refusals=self._refusals,
+            deadline_misses=self._late,
+            rows_held_by_writes=len(self._write_pins),
+        )
+
+    def is_waiting(self, key: bytes) -> bool:
+        """Whether a lookup of ``key`` waits on a read or a probe."""
+        return key in self._waiting or key in self._to_read
+
+    def knows(self, tier: int, key: bytes) -> bool:
+        """Whether lower tier ``tier`` holds ``key`` as far as this instance knows."""
+        return key in self._lower[tier].known
+
+    # -- inside --------------------------------------------------------------------------
+
+    def _place(self, keys: list[bytes]) -> StorePlan | None:
+        st = self.cpu.statistics()
+        n = min(len(keys), st.capacity - st.used + st.evictable)
+        while n:
+            plan = self.cpu.prepare_store(keys[:n])
+            if plan is not None:
+                return plan
+            n //= 2  # the room counted rows this call's own keys would need to free
+        return None
+
+    def _limit(self, tier: _Lower) -> int:
+        # A tier of this instance's own is known exactly; a shared one is bounded.
+        return self._known_limit if tier.spec.shared else 1 << 62
+
+    def _start_reads(self) -> None:
+        if not self._to_read:
+            return
+        wanted = [(k, t) for k, t in self._to_read.items() if k not in self.cpu]
+        self._to_read.clear()
+        plan = self._place([k for k, _t in wanted]) if wanted else None
+        placed = set() if plan is None else set(plan.keys)
+        for k, _t in wanted:
+            if k not in placed:
+                # No row now: the next lookup queues it again (within its deadline).
+                w = self._waiting.get(k)
+                if w is not None and w.read:
+                    self._to_read[k] = w.tier
+        if plan is None:
+            return
+        tier_of = dict(wanted)
+        for i in sorted({tier_of[k] for k in plan.keys}):
+            pairs = [(k, s) for k, s in zip(plan.keys, plan.slots, strict=True) if tier_of[k] == i]
+            self._intents.append(Read(i, tuple(k for k, _s in pairs), tuple(s for _k, s in pairs)))
+
+    def _settle_read(self, done: ReadDone) -> None:
+        read = done.intent
+        tier = self._lower[read.tier]
+        good = [k for k in read.keys if k in done.loaded]
+        bad = [k for k in read.keys if k not in done.loaded]
+        if good:
+            self.cpu.complete_store(good, True)
+            tier.counts.blocks_out += len(good)
+            tier.counts.lookup_hits += len(good)
+        if bad:
+            self.cpu.complete_store(bad, False)
+            tier.counts.read_failures += len(bad)
+            tier.forget(bad)  # vanished, damaged or unreachable
+        for k in read.keys:
+            self._waiting.pop(k, None)
+        if good and tier.spec.promote_up and read.tier:
+            self._write_down(good, range(read.tier), store=False)
+
+    def _settle_write(self, done: Written) -> None:
+        write = done.intent
+        tier = self._lower[write.tier]
+        tier.learn(done.stored, self._limit(tier))
+        tier.forget(done.evicted)
+        ok = [k for k in write.keys if k in done.stored]
+        tier.counts.blocks_in += len(ok)
+        tier.counts.write_failures += len(write.keys) - len(ok)
+        self._unpin_written(write.keys)
+
+    def _write_down(self, keys: Sequence[bytes], tiers: Iterable[int], *, store: bool) -> None:
+        """Write ready CPU blocks to ``tiers`` that lack them: rows pinned per write."""
+        for i in tiers:
+            tier = self._lower[i]
+            if store and not tier.spec.takes_stores:
+                continue
+            todo = [k for k in keys if k not in tier.known]
+            if not todo:
+                continue
+            plan = self.cpu.prepare_load(todo)  # a pin held for the write, not a load
+            for k in todo:
+                self._write_pins[k] = self._write_pins.get(k, 0) + 1
+            self._intents.append(Write(i, plan.keys, plan.slots))
+
+    def _unpin_written(self, keys: Sequence[bytes]) -> None:
+        self.cpu.complete_load(keys)
+        pins = self._write_pins
+        for k in keys:
+            left = pins[k] - 1
+            if left:
+                pins[k] = left
+            else:
+                del pins[k]
+
+
+def _fields(counts: TierCounts) -> dict[str, int]:
+    return {name: getattr(counts, name) for name in TierCounts.__dataclass_fields__}

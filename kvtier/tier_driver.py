@@ -1,0 +1,158 @@
+"""Carries out a :class:`~kvtier.chain.Chain`'s intents on the tiers' own event loop.
+
+The chain decides on its owner's thread and never does I/O; a
+:class:`TierDriver` lives on the loop that owns the tiers (kvtier's loop
+thread under vLLM) and turns each intent into a tier call, then hands the
+outcome back through ``post`` (called on the loop; a front that owns the
+chain on another thread passes something thread-safe, e.g. a deque's
+``append``). Every intent gets exactly one outcome, also when the tier
+refuses or fails it: the chain's pins are released only through outcomes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+from kvtier.chain import Intent, Outcome, Probe, Probed, Read, ReadDone, TierChanged, Write, Written
+from kvtier.errors import KVTierError
+from kvtier.region import CPURegion
+from kvtier.tiers.base import LoadResult, Refreshable, StoreResult, Tier
+from kvtier.transfer.completion import Completion
+
+__all__ = ["TierDriver"]
+
+log = logging.getLogger("kvtier.chain")
+
+_LOGGED_PER_TIER = 3
+"""Failures logged per tier and kind before the rest are only counted."""
+
+
+class TierDriver:
+    """The tiers below the CPU region, driven by intents (loop thread only).
+
+    Parameters
+    ----------
+    tiers
+        The open tiers, in the chain's order.
+    names
+        Their names (the chain's), for logs.
+    region
+        The CPU region whose rows the intents name.
+    post
+        Receives every outcome, on the loop.
+    on_done
+        Called on the loop after each outcome (e.g. to hand a tier's own
+        events over with it).
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        names: Sequence[str],
+        region: CPURegion,
+        post: Callable[[Outcome], None],
+        on_done: Callable[[int], None] | None = None,
+    ) -> None:
+        self.tiers = list(tiers)
+        self._names = list(names)
+        self._region = region
+        self._post = post
+        self._on_done = on_done
+        self._logged: dict[tuple[int, str], int] = {}
+
+    def carry_out(self, intent: Intent) -> None:
+        """Start ``intent``; its outcome is posted when it ends (never raises)."""
+        if isinstance(intent, Write):
+            self._write(intent)
+        elif isinstance(intent, Read):
+            self._read(intent)
+        else:
+            self._probe(intent)
+
+    def seed(self, index: int, keys: Sequence[bytes]) -> None:
+        """Post what a tier holds already (recovered at open)."""
+        if keys:
+            self._post(TierChanged(index, added=tuple(keys)))
+
+    # -- inside --------------------------------------------------------------------------
+
+    def _rows(self, slots: Sequence[int]) -> list[memoryview]:
+        return [self._region.row(s) for s in slots]
+
+    def _write(self, w: Write) -> None:
+        tier = self.tiers[w.tier]
+        try:
+            comp = tier.store(w.keys, self._rows(w.slots))
+        except KVTierError as exc:
+            self._warn(w.tier, "write", f"refused {len(w.keys)} blocks: {exc}")
+            self._finish(w.tier, Written(w, frozenset()))
+            return
+
+        def done(c: Completion[StoreResult]) -> None:
+            exc = c.exception()
+            if exc is not None:
+                self._warn(w.tier, "write", f"writing {len(w.keys)} blocks failed: {exc}")
+                self._finish(w.tier, Written(w, frozenset()))
+                return
+            res = c.result()
+            for key, err in list(res.failed.items())[:1]:
+                self._warn(w.tier, "write", f"block {key.hex()} not written: {err}")
+            self._finish(w.tier, Written(w, frozenset((*res.stored, *res.skipped)), res.evicted))
+
+        comp.add_done_callback(done)
+
+    def _read(self, r: Read) -> None:
+        tier = self.tiers[r.tier]
+        try:
+            comp = tier.load(r.keys, self._rows(r.slots))
+        except KVTierError as exc:
+            self._warn(r.tier, "read", f"refused a read of {len(r.keys)} blocks: {exc}")
+            self._finish(r.tier, ReadDone(r, frozenset()))
+            return
+
+        def done(c: Completion[LoadResult]) -> None:
+            exc = c.exception()
+            if exc is not None:
+                self._warn(r.tier, "read", f"reading {len(r.keys)} blocks failed: {exc}")
+                self._finish(r.tier, ReadDone(r, frozenset()))
+                return
+            res = c.result()
+            for key, err in list(res.missing.items())[:1]:
+                self._warn(r.tier, "read", f"block {key.hex()} not loaded: {err}")
+            self._finish(r.tier, ReadDone(r, frozenset(res.loaded)))
+
+        comp.add_done_callback(done)
+
+    def _probe(self, p: Probe) -> None:
+        tier = self.tiers[p.tier]
+        if not isinstance(tier, Refreshable):
+            self._finish(p.tier, Probed(p, frozenset(k for k in p.keys if tier.is_ready(k))))
+            return
+        task = asyncio.ensure_future(tier.refresh(p.keys))
+
+        def done(t: asyncio.Future[int]) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                self._warn(p.tier, "probe", f"asking the tier failed: {t.exception()}")
+            # What the tier knows now, whether or not every node answered.
+            self._finish(p.tier, Probed(p, frozenset(k for k in p.keys if tier.is_ready(k))))
+
+        task.add_done_callback(done)
+
+    def _finish(self, index: int, outcome: Outcome) -> None:
+        self._post(outcome)
+        if self._on_done is not None:
+            self._on_done(index)
+
+    def _warn(self, index: int, kind: str, message: str) -> None:
+        n = self._logged.get((index, kind), 0)
+        self._logged[(index, kind)] = n + 1
+        if n < _LOGGED_PER_TIER:
+            log.warning("kvtier %s tier: %s", self._names[index], message)
+        elif n == _LOGGED_PER_TIER:
+            log.warning(
+                "kvtier %s tier: more %s failures: counted, not logged",
+                self._names[index],
+                kind,
+            )
