@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from kvtier.chain import Intent, Outcome, Probe, Probed, Read, ReadDone, TierChanged, Write, Written
 from kvtier.errors import KVTierError
@@ -22,6 +23,8 @@ from kvtier.tiers.base import LoadResult, Refreshable, StoreResult, Tier
 from kvtier.transfer.completion import Completion
 
 __all__ = ["TierDriver"]
+
+R = TypeVar("R")
 
 log = logging.getLogger("kvtier.chain")
 
@@ -83,45 +86,50 @@ class TierDriver:
 
     def _write(self, w: Write) -> None:
         tier = self.tiers[w.tier]
-        try:
-            comp = tier.store(w.keys, self._rows(w.slots))
-        except KVTierError as exc:
-            self._warn(w.tier, "write", f"refused {len(w.keys)} blocks: {exc}")
-            self._finish(w.tier, Written(w, frozenset()))
-            return
 
-        def done(c: Completion[StoreResult]) -> None:
-            exc = c.exception()
-            if exc is not None:
-                self._warn(w.tier, "write", f"writing {len(w.keys)} blocks failed: {exc}")
-                self._finish(w.tier, Written(w, frozenset()))
-                return
-            res = c.result()
+        def outcome(res: StoreResult | None) -> Written:
+            if res is None:
+                return Written(w, frozenset())
             for key, err in list(res.failed.items())[:1]:
                 self._warn(w.tier, "write", f"block {key.hex()} not written: {err}")
-            self._finish(w.tier, Written(w, frozenset((*res.stored, *res.skipped)), res.evicted))
+            return Written(w, frozenset((*res.stored, *res.skipped)), res.evicted)
 
-        comp.add_done_callback(done)
+        self._start(w.tier, "write", lambda: tier.store(w.keys, self._rows(w.slots)), outcome)
 
     def _read(self, r: Read) -> None:
         tier = self.tiers[r.tier]
-        try:
-            comp = tier.load(r.keys, self._rows(r.slots))
-        except KVTierError as exc:
-            self._warn(r.tier, "read", f"refused a read of {len(r.keys)} blocks: {exc}")
-            self._finish(r.tier, ReadDone(r, frozenset()))
-            return
 
-        def done(c: Completion[LoadResult]) -> None:
-            exc = c.exception()
-            if exc is not None:
-                self._warn(r.tier, "read", f"reading {len(r.keys)} blocks failed: {exc}")
-                self._finish(r.tier, ReadDone(r, frozenset()))
-                return
-            res = c.result()
+        def outcome(res: LoadResult | None) -> ReadDone:
+            if res is None:
+                return ReadDone(r, frozenset())
             for key, err in list(res.missing.items())[:1]:
                 self._warn(r.tier, "read", f"block {key.hex()} not loaded: {err}")
-            self._finish(r.tier, ReadDone(r, frozenset(res.loaded)))
+            return ReadDone(r, frozenset(res.loaded))
+
+        self._start(r.tier, "read", lambda: tier.load(r.keys, self._rows(r.slots)), outcome)
+
+    def _start(
+        self,
+        index: int,
+        kind: str,
+        call: Callable[[], Completion[R]],
+        outcome: Callable[[R | None], Outcome],
+    ) -> None:
+        """Run a tier call; post ``outcome(result)``, or ``outcome(None)`` when it failed."""
+        try:
+            comp = call()
+        except KVTierError as exc:  # refused before any I/O (closed, recovering, ...)
+            self._warn(index, kind, f"refused: {exc}")
+            self._finish(index, outcome(None))
+            return
+
+        def done(c: Completion[R]) -> None:
+            exc = c.exception()
+            if exc is not None:
+                self._warn(index, kind, f"failed: {exc}")
+                self._finish(index, outcome(None))
+            else:
+                self._finish(index, outcome(c.result()))
 
         comp.add_done_callback(done)
 
