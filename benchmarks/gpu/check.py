@@ -255,6 +255,10 @@ def _transfer(layout: Any, kv: list[torch.Tensor], views: list[torch.Tensor], ho
         from kvtier.transfer._cuda_copy import TorchPiecesCopier
 
         copier = TorchPiecesCopier()
+    elif how == "torch-gather":
+        from kvtier.transfer._cuda_copy import TorchGatherCopier
+
+        copier = TorchGatherCopier(staging_bytes=1)  # a round per row: every round's path
     else:  # pragma: no cover - the names are this file's own
         raise ValueError(how)
     return _ThreadedTransfer(layout, tensors, host, copier)
@@ -363,8 +367,8 @@ def check_sweep(rep: Report, quick: bool) -> None:
     cases = _cases()
     if quick:
         cases = cases[:: max(1, len(cases) // 12)]
-    candidates = ["cpu-python", "torch-pieces"]
-    cuda_modes = ["cuda-batch", "cuda-loop", "cuda-torch"]
+    candidates = ["cpu-python", "torch-pieces", "torch-gather"]
+    cuda_modes = ["cuda-batch", "cuda-loop", "cuda-gather", "cuda-torch"]
     t0 = time.perf_counter()
     for case in cases:
         stored, loaded, (layout, _kv, rows, src, dst, _n) = _run_case(case, "cpu", "cpu")
@@ -406,7 +410,7 @@ def check_sweep(rep: Report, quick: bool) -> None:
             f"({seconds:.1f} s)",
         )
     if not CUDA:
-        rep.skip("sweep on CUDA (batch, loop, torch)", NO_CUDA)
+        rep.skip("sweep on CUDA (batch, loop, gather, torch)", NO_CUDA)
 
 
 # -- engine ---------------------------------------------------------------------------
@@ -493,7 +497,8 @@ async def _cancelled_load(device: str, blocks: int) -> str:
         await asyncio.sleep(0)  # the load's copy is queued now
         copier = engine._xfer._copier  # type: ignore[attr-defined]
         streams = getattr(copier, "_streams", None)
-        mid_copy = streams is not None and not streams[False].query()
+        # Queued or running, not complete: the transfer has not reported it done.
+        mid_copy = engine._xfer.statistics().in_flight > 0
         cancelled = task.cancel()
         try:
             await task
@@ -534,7 +539,7 @@ async def _cancelled_load(device: str, blocks: int) -> str:
     elif streams is None:
         when = "cancelled (CPU backend: its copy runs on a thread)"
     else:
-        when = "cancelled " + ("while its copy ran" if mid_copy else "after its copy ended")
+        when = "cancelled " + ("while its copy was in flight" if mid_copy else "after its copy")
     return f"{blocks} blocks of {layout.bytes_per_chunk >> 20} MiB, {when}"
 
 
@@ -749,7 +754,7 @@ def _baseline(
 def check_bench(rep: Report, quick: bool) -> None:
     table: list[dict[str, Any]] = []
     if CUDA:
-        hows = ["cuda-batch", "cuda-loop", "cuda-torch"]
+        hows = ["cuda-batch", "cuda-gather", "cuda-loop", "cuda-torch"]
         rows = 32 if quick else 256  # 512 MiB requests
         for shape in (REALISTIC, BIG):
             table += _bench_shape(rep, shape, "cuda", hows, rows, 3 if quick else 7)

@@ -1,13 +1,24 @@
 """The CUDA backend of :mod:`kvtier.transfer.device`: streams, events, pinned rows.
 
-A request's pieces (contiguous on both sides, so each is one DMA between
-device memory and the pinned region) are queued on the direction's stream by
-the compiled loop ``kvtier.transfer._copy.cuda_copy``: one
-``cudaMemcpyBatchAsync`` per 8192 pieces where the CUDA runtime has it (12.8
-and later), else one ``cudaMemcpyAsync`` per piece, either way without the GIL
-and without Python per piece. The runtime is loaded at run time, so kvtier
-installs and imports without CUDA; where the compiled module or a runtime is
-missing, one ``Tensor.copy_`` per piece is the fallback.
+Two ways to move a request, both on the direction's stream:
+
+``batch`` (and ``loop``)
+    Every piece (contiguous on both sides, so one DMA between device memory
+    and the pinned region) queued by the compiled loop
+    ``kvtier.transfer._copy.cuda_copy``: one ``cudaMemcpyBatchAsync`` per
+    8192 pieces where the CUDA runtime has it (12.8 and later), else one
+    ``cudaMemcpyAsync`` per piece, either way without the GIL and without
+    Python per piece.
+``gather``
+    Whole rows through a device staging buffer: a store gathers the pieces
+    of up to ``staging_bytes`` of rows into it on the GPU (one indexing
+    kernel per tensor), then copies each row out in one DMA; a load copies
+    rows in, then scatters. Small pieces cost the copy engines and the
+    runtime about a microsecond each; a row of a real layout is 64 of them.
+
+The runtime is loaded at run time, so kvtier installs and imports without
+CUDA; where the compiled module or a runtime is missing, one ``Tensor.copy_``
+per piece is the fallback (``torch``).
 """
 
 from __future__ import annotations
@@ -17,24 +28,34 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from kvtier.errors import ConfigurationError
 from kvtier.transfer import _copier
 from kvtier.transfer._copier import CopyPlan, _Copier, copy_pieces
 
 __all__ = [
+    "STAGING_BYTES",
     "CudaCopier",
     "Mode",
+    "TorchGatherCopier",
     "TorchPiecesCopier",
     "copy_pieces_torch",
     "cudart_candidates",
+    "gather_copy",
     "load_cudart",
+    "row_slices",
 ]
 
-Mode = Literal["auto", "batch", "loop", "torch"]
+Mode = Literal["auto", "batch", "loop", "gather", "torch"]
 """How :class:`CudaCopier` issues a plan: ``batch`` (``cudaMemcpyBatchAsync``,
 the loop where the runtime lacks it), ``loop`` (``cudaMemcpyAsync`` per piece),
-``torch`` (``Tensor.copy_`` per piece, from Python), ``auto`` (``batch`` where
-the compiled module and a runtime load, else ``torch``)."""
+``gather`` (whole rows through a device staging buffer), ``torch``
+(``Tensor.copy_`` per piece, from Python), ``auto`` (``batch`` where the
+compiled module and a runtime load, else ``torch``)."""
+
+STAGING_BYTES = 128 << 20
+"""Device staging buffer of the ``gather`` mode, per direction."""
 
 
 def _non_blocking(dst: Any, src: Any) -> None:
@@ -67,6 +88,111 @@ class TorchPiecesCopier(_Copier):
     def run(self, plan: CopyPlan, marker: object) -> tuple[int, Callable[[], None] | None]:
         copy_pieces_torch(plan)
         return plan.copies, None
+
+
+RowCopy = Callable[[np.ndarray, np.ndarray, np.ndarray], object]
+"""Queues whole-row copies between the staging buffer and the rows, given as a plan
+of one "tensor" (the staging buffer) in units of a row slice: table, pieces, spans."""
+
+
+def row_slices(table: np.ndarray) -> tuple[int, np.ndarray] | None:
+    """The bytes of a row's slice and each tensor's offset in it, if they tile it.
+
+    ``gather`` copies a row's slice (every tensor's part of it) in one piece,
+    so the parts must follow each other with no gap; None where they do not.
+    """
+    host, row_bytes = table[:, 1], table[:, 5]
+    offsets = host - host[0]
+    starts = np.concatenate(([0], np.cumsum(row_bytes)[:-1]))
+    same_rows = (table[:, 3] == table[0, 3]).all() and (table[:, 6] == table[0, 6]).all()
+    if not same_rows or not np.array_equal(offsets, starts):
+        return None
+    return int(row_bytes.sum()), offsets
+
+
+def _units(pieces: np.ndarray, slot: np.ndarray) -> np.ndarray:
+    """Pieces expanded into one (slot, host unit, device unit) row per unit."""
+    n = pieces[:, 3]
+    which = np.repeat(np.arange(len(pieces)), n)
+    within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    return np.stack([slot[which], pieces[which, 1] + within, pieces[which, 2] + within], axis=0)
+
+
+def gather_copy(plan: CopyPlan, staging: Any, slices: tuple[int, np.ndarray], rows: RowCopy) -> int:
+    """Run ``plan`` through ``staging``, ``len(staging) // slice`` rows at a time.
+
+    On the current stream: a store gathers each tensor's pieces into the
+    staging rows with one indexing kernel per tensor, then ``rows`` copies the
+    rows out; a load copies rows in, then scatters. Returns the copies queued
+    (rows, and one gather or scatter per tensor, per round).
+    """
+    import torch
+
+    t = plan.tensors
+    slice_bytes, offsets = slices
+    cap = len(staging) // slice_bytes
+    pieces = plan.pieces
+    request_rows = np.unique(pieces[:, 0])
+    one = t.table[:1].copy()  # the staging buffer as the device side, rows as they are
+    one[0, [0, 2, 4, 5]] = (staging.data_ptr(), slice_bytes, len(staging), slice_bytes)
+    copies = 0
+    for start in range(0, len(request_rows), cap):
+        chunk = request_rows[start : start + cap]
+        k = len(chunk)
+        row_plan = np.stack([chunk, np.zeros(k, np.int64), np.arange(k), np.ones(k, np.int64)], 1)
+        row_span = np.array([[0, k]], dtype=np.int64)
+        if not plan.store:
+            rows(one, row_plan, row_span)
+        units: dict[tuple[int, int], Any] = {}
+        for i, (a, b) in enumerate(plan.spans.tolist()):
+            idx = units.get((a, b))
+            if idx is None:
+                p = pieces[a:b]
+                p = p[(p[:, 0] >= chunk[0]) & (p[:, 0] <= chunk[-1])]
+                slot = np.searchsorted(chunk, p[:, 0])
+                idx = units[(a, b)] = torch.from_numpy(_units(p, slot)).to(staging.device)
+            slot_i, host_i, dev_i = idx
+            unit, row_bytes = int(t.table[i, 2]), int(t.table[i, 5])
+            dev = t.dev[i].view(-1, unit)
+            rows_i = torch.as_strided(
+                staging, (k, row_bytes // unit, unit), (slice_bytes, unit, 1), int(offsets[i])
+            )
+            if plan.store:
+                rows_i[slot_i, host_i] = dev[dev_i]
+            else:
+                dev[dev_i] = rows_i[slot_i, host_i]
+            copies += 1
+        if plan.store:
+            rows(one, row_plan, row_span)
+        copies += k
+    return copies
+
+
+class TorchGatherCopier(_Copier):
+    """:func:`gather_copy` on CPU tensors, rows copied with memcpy (tests, the GPU check)."""
+
+    name = "torch-gather"
+
+    def __init__(self, staging_bytes: int = STAGING_BYTES) -> None:
+        self._staging_bytes = staging_bytes
+
+    def mark(self) -> object:
+        return None
+
+    def run(self, plan: CopyPlan, marker: object) -> tuple[int, Callable[[], None] | None]:
+        import torch
+
+        compiled = _copier.native
+        slices = row_slices(plan.tensors.table)
+        if compiled is None or slices is None:
+            copy_pieces_torch(plan)
+            return plan.copies, None
+        staging = torch.empty(max(self._staging_bytes, slices[0]), dtype=torch.uint8)
+
+        def rows(table: np.ndarray, pieces: np.ndarray, spans: np.ndarray) -> None:
+            compiled.copy_host(table, pieces, spans, plan.store, 0, 1)
+
+        return gather_copy(plan, staging, slices, rows), None
 
 
 def cudart_candidates() -> list[str]:
@@ -140,6 +266,9 @@ class CudaCopier(_Copier):  # pragma: no cover - needs a GPU
         The torch device of the KV tensors.
     mode
         How the pieces are queued (:data:`Mode`).
+    staging_bytes
+        Size of each direction's device staging buffer in ``gather`` mode
+        (at least one row's slice).
 
     Raises
     ------
@@ -150,7 +279,9 @@ class CudaCopier(_Copier):  # pragma: no cover - needs a GPU
 
     name = "cuda"
 
-    def __init__(self, device: Any, mode: Mode = "auto") -> None:
+    def __init__(
+        self, device: Any, mode: Mode = "auto", staging_bytes: int = STAGING_BYTES
+    ) -> None:
         import torch
 
         self._torch = torch
@@ -164,6 +295,9 @@ class CudaCopier(_Copier):  # pragma: no cover - needs a GPU
         }
         self.mode: Mode = mode
         self.runtime = "none"
+        self._staging_bytes = staging_bytes
+        # Per direction: its stream's staging buffer (gather), allocated at first use.
+        self._staging: dict[bool, Any] = {}
         if mode != "torch":
             try:
                 path, version = load_cudart()
@@ -179,7 +313,7 @@ class CudaCopier(_Copier):  # pragma: no cover - needs a GPU
     def describe(self) -> str:
         """The mode in use and the runtime it calls (for logs and benchmarks)."""
         status = _copier.native.cuda_status() if _copier.native is not None else {}
-        batch = "" if self.mode != "batch" else f", runtime batches: {status.get('batch')}"
+        batch = "" if self.mode == "torch" else f", runtime batches: {status.get('batch')}"
         failed = status.get("batch_error")
         return f"{self.mode} via {self.runtime}{batch}" + (
             f" (batch refused with error {failed}: looping)" if failed else ""
@@ -202,9 +336,22 @@ class CudaCopier(_Copier):  # pragma: no cover - needs a GPU
             # a load must not overwrite blocks that work queued before it may
             # still read (the blocks it was handed were free a moment ago).
             stream.wait_event(marker)  # type: ignore[arg-type]
+            slices = row_slices(plan.tensors.table) if self.mode == "gather" else None
             if self.mode == "torch" or self._cuda_copy is None:
                 copy_pieces_torch(plan)
                 copies = plan.copies
+            elif slices is not None:
+                cuda_copy, handle, index = self._cuda_copy, stream.cuda_stream, self._index
+
+                def rows(table: np.ndarray, pieces: np.ndarray, spans: np.ndarray) -> None:
+                    cuda_copy(table, pieces, spans, plan.store, handle, index, True)
+
+                staging = self._staging.get(plan.store)
+                if staging is None or len(staging) < slices[0]:
+                    size = max(self._staging_bytes, slices[0])
+                    staging = torch.empty(size, dtype=torch.uint8, device=self._device)
+                    self._staging[plan.store] = staging
+                copies = gather_copy(plan, staging, slices, rows)
             else:
                 t = plan.tensors
                 copies = self._cuda_copy(
@@ -214,8 +361,11 @@ class CudaCopier(_Copier):  # pragma: no cover - needs a GPU
                     plan.store,
                     stream.cuda_stream,
                     self._index,
-                    self.mode == "batch",
+                    self.mode != "loop",
                 )
             done = torch.cuda.Event()
             done.record(stream)
         return copies, done.synchronize
+
+    def close(self) -> None:
+        self._staging.clear()

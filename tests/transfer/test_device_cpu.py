@@ -12,8 +12,9 @@ import asyncio
 import dataclasses
 import threading
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ from kvtier.layout import KVLayout
 from kvtier.testing.device import DeviceTransferSuite, HostRows, reference_row
 from kvtier.transfer._copier import CopyPlan, _Copier, native
 from kvtier.transfer._cpu_copy import CpuCopier
-from kvtier.transfer._cuda_copy import CudaCopier, TorchPiecesCopier
+from kvtier.transfer._cuda_copy import CudaCopier, TorchGatherCopier, TorchPiecesCopier
 from kvtier.transfer.device import (
     DeviceTransfer,
     _ThreadedTransfer,
@@ -70,6 +71,20 @@ class TestTorchViewsInContiguousPieces(_ConfiguredCopier):
     """What the CUDA backend falls back to (torch views, a copy per piece), run on CPU."""
 
     copier = TorchPiecesCopier
+
+
+class TestGatherThroughStagingRows(_ConfiguredCopier):
+    """The CUDA backend's gather mode on CPU: one row of staging, so a round per row."""
+
+    copier = staticmethod(lambda: TorchGatherCopier(staging_bytes=1))
+
+    async def test_consecutive_blocks_coalesce_into_one_copy_per_tensor(self, opened: Any) -> None:
+        """Here a copy is a row or a gather of one tensor, per round of staging rows."""
+        xfer, layout, _kv, _host = opened("kv-first", 2)
+        n = len(layout.tensors)
+        await xfer.store(np.arange(2, 12), [3, 4, 5, 6, 7])
+        assert xfer.statistics().copies_issued == 5 * (n + 1)
+        await xfer.aclose()
 
 
 needs_cuda = pytest.mark.skipif(
