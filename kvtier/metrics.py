@@ -67,6 +67,7 @@ __all__ = [
     "DeltaReporter",
     "KVTierCollector",
     "MetricSpec",
+    "Samples",
     "StatsSink",
     "TierMetrics",
     "as_json",
@@ -505,9 +506,10 @@ class DeltaReporter:
     vLLM adds each counter value it gets to its Prometheus counter and sets
     each gauge, once per scheduler step (the stats of every step are sent to
     the front end and applied there). :meth:`report` therefore sends a
-    counter's increase since the last report (a total that went down, as
-    after a reset, restarts from zero), a gauge only when it changed, and the
-    durations observed since.
+    counter's increase since the last report (its whole value the first time,
+    zero included, so that the series exists before its first event; a total
+    that went down, as after a reset, restarts from zero), a gauge only when
+    it changed, and the durations observed since.
 
     Parameters
     ----------
@@ -555,8 +557,8 @@ class DeltaReporter:
                 if not counter:
                     sink.set_gauge(name, value, labels)
                 elif before is None or value < before:
-                    if value:
-                        sink.increase_counter(name, value, labels)
+                    # Zero too, the first time: the series exists before its first event.
+                    sink.increase_counter(name, value, labels)
                 else:
                     sink.increase_counter(name, value - before, labels)
         durations = self._durations

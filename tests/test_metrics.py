@@ -208,13 +208,18 @@ def test_delta_reporter_sends_increases_and_changed_gauges() -> None:
     reporter = DeltaReporter()
     hits, used = "kvtier_lookup_hits_total", "kvtier_used_bytes"
     first, second, third = Recorded(), Recorded(), Recorded()
-    reporter.report({hits: {("cpu",): 3}, used: {("cpu",): 100}}, first)
+    failures = "kvtier_write_failures_total"
+    reporter.report({hits: {("cpu",): 3}, used: {("cpu",): 100}, failures: {("file",): 0}}, first)
     reporter.began("job")
     reporter.ended("job", READ_DURATION, "file")
     reporter.ended("never began", READ_DURATION, "file")
     reporter.report({hits: {("cpu",): 5}, used: {("cpu",): 100}}, second)
     reporter.report({hits: {("cpu",): 1}, used: {("cpu",): 50}}, third)  # reset below the last
-    assert first.calls == [("counter", hits, 3, ("cpu",)), ("gauge", used, 100, ("cpu",))]
+    assert first.calls == [
+        ("counter", hits, 3, ("cpu",)),
+        ("gauge", used, 100, ("cpu",)),
+        ("counter", failures, 0, ("file",)),  # the series exists before its first failure
+    ]
     assert second.calls[0] == ("counter", hits, 2, ("cpu",))
     ((kind, name, seconds, labels),) = second.calls[1:]
     assert (kind, name, labels) == ("histogram", READ_DURATION.name, ("file",))
