@@ -35,6 +35,7 @@ from kvtier.transfer import _copier
 from kvtier.transfer._copier import CopyPlan, _Copier, copy_pieces
 
 __all__ = [
+    "GATHER_BELOW",
     "STAGING_BYTES",
     "CudaCopier",
     "Mode",
@@ -51,11 +52,16 @@ Mode = Literal["auto", "batch", "loop", "gather", "torch"]
 """How :class:`CudaCopier` issues a plan: ``batch`` (``cudaMemcpyBatchAsync``,
 the loop where the runtime lacks it), ``loop`` (``cudaMemcpyAsync`` per piece),
 ``gather`` (whole rows through a device staging buffer), ``torch``
-(``Tensor.copy_`` per piece, from Python), ``auto`` (``batch`` where the
-compiled module and a runtime load, else ``torch``)."""
+(``Tensor.copy_`` per piece, from Python), ``auto`` (per request: ``gather``
+where its pieces average under :data:`GATHER_BELOW` and each row's slice is
+one run of bytes, else ``batch``; ``torch`` where the compiled module or a
+runtime does not load)."""
 
 STAGING_BYTES = 128 << 20
 """Device staging buffer of the ``gather`` mode, per direction."""
+
+GATHER_BELOW = 256 << 10
+"""``auto`` gathers requests whose pieces average fewer bytes than this."""
 
 
 def _non_blocking(dst: Any, src: Any) -> None:
@@ -118,12 +124,26 @@ def _units(pieces: np.ndarray, slot: np.ndarray) -> np.ndarray:
     return np.stack([slot[which], pieces[which, 1] + within, pieces[which, 2] + within], axis=0)
 
 
+def _word(table: np.ndarray, staging: Any, slice_bytes: int, offsets: np.ndarray) -> int:
+    """The widest element (8 or 1 bytes) every unit, offset and base address allows.
+
+    The indexing kernels move one element per thread: 8-byte ones move a unit
+    with an eighth of the threads of bytes.
+    """
+    values = [*table[:, 0].tolist(), *table[:, 2].tolist(), *offsets.tolist()]
+    values += [staging.data_ptr(), slice_bytes, len(staging)]
+    return 8 if all(v % 8 == 0 for v in values) else 1
+
+
 def gather_copy(plan: CopyPlan, staging: Any, slices: tuple[int, np.ndarray], rows: RowCopy) -> int:
     """Run ``plan`` through ``staging``, ``len(staging) // slice`` rows at a time.
 
     On the current stream: a store gathers each tensor's pieces into the
     staging rows with one indexing kernel per tensor, then ``rows`` copies the
-    rows out; a load copies rows in, then scatters. Returns the copies queued
+    rows out; a load copies rows in, then scatters. The indices of every round
+    go to the device in one copy from pinned memory, before the first round:
+    a copy from pageable memory would wait for the stream to drain, and the
+    rounds would no longer queue ahead of the GPU. Returns the copies queued
     (rows, and one gather or scatter per tensor, per round).
     """
     import torch
@@ -135,27 +155,44 @@ def gather_copy(plan: CopyPlan, staging: Any, slices: tuple[int, np.ndarray], ro
     request_rows = np.unique(pieces[:, 0])
     one = t.table[:1].copy()  # the staging buffer as the device side, rows as they are
     one[0, [0, 2, 4, 5]] = (staging.data_ptr(), slice_bytes, len(staging), slice_bytes)
+    rounds = [request_rows[i : i + cap] for i in range(0, len(request_rows), cap)]
+    # Units of every round and distinct span, in one array: (round, span) -> columns.
+    spans = plan.spans.tolist()
+    where: dict[tuple[int, int, int], tuple[int, int]] = {}
+    parts = []
+    at = 0
+    for r, chunk in enumerate(rounds):
+        for a, b in dict.fromkeys(map(tuple, spans)):
+            p = pieces[a:b]
+            p = p[(p[:, 0] >= chunk[0]) & (p[:, 0] <= chunk[-1])]
+            u = _units(p, np.searchsorted(chunk, p[:, 0]))
+            where[(r, a, b)] = (at, at + u.shape[1])
+            parts.append(u)
+            at += u.shape[1]
+    host_idx = torch.from_numpy(np.concatenate(parts, axis=1))
+    if staging.device.type == "cuda":  # pragma: no cover - needs a GPU
+        host_idx = host_idx.pin_memory()  # torch's pinned cache keeps it until the copy ran
+    idx = host_idx.to(staging.device, non_blocking=True)
+    w = _word(t.table, staging, slice_bytes, offsets)
+    kind = torch.int64 if w == 8 else torch.uint8
+    words = staging.view(kind)
     copies = 0
-    for start in range(0, len(request_rows), cap):
-        chunk = request_rows[start : start + cap]
+    for r, chunk in enumerate(rounds):
         k = len(chunk)
         row_plan = np.stack([chunk, np.zeros(k, np.int64), np.arange(k), np.ones(k, np.int64)], 1)
         row_span = np.array([[0, k]], dtype=np.int64)
         if not plan.store:
             rows(one, row_plan, row_span)
-        units: dict[tuple[int, int], Any] = {}
-        for i, (a, b) in enumerate(plan.spans.tolist()):
-            idx = units.get((a, b))
-            if idx is None:
-                p = pieces[a:b]
-                p = p[(p[:, 0] >= chunk[0]) & (p[:, 0] <= chunk[-1])]
-                slot = np.searchsorted(chunk, p[:, 0])
-                idx = units[(a, b)] = torch.from_numpy(_units(p, slot)).to(staging.device)
-            slot_i, host_i, dev_i = idx
+        for i, (a, b) in enumerate(spans):
+            lo, hi = where[(r, a, b)]
+            slot_i, host_i, dev_i = idx[:, lo:hi]
             unit, row_bytes = int(t.table[i, 2]), int(t.table[i, 5])
-            dev = t.dev[i].view(-1, unit)
+            dev = t.dev[i].view(kind).view(-1, unit // w)
             rows_i = torch.as_strided(
-                staging, (k, row_bytes // unit, unit), (slice_bytes, unit, 1), int(offsets[i])
+                words,
+                (k, row_bytes // unit, unit // w),
+                (slice_bytes // w, unit // w, 1),
+                int(offsets[i]) // w,
             )
             if plan.store:
                 rows_i[slot_i, host_i] = dev[dev_i]
@@ -306,7 +343,7 @@ class CudaCopier(_Copier):  # pragma: no cover - needs a GPU
                     raise
                 self.mode, self.runtime = "torch", f"none ({exc})"
             else:
-                self.mode = "batch" if mode == "auto" else mode
+                self.mode = mode
                 self.runtime = f"{os.path.basename(path)} {version // 1000}.{version % 1000 // 10}"
         self._cuda_copy = _copier.native.cuda_copy if _copier.native is not None else None
 
@@ -314,10 +351,20 @@ class CudaCopier(_Copier):  # pragma: no cover - needs a GPU
         """The mode in use and the runtime it calls (for logs and benchmarks)."""
         status = _copier.native.cuda_status() if _copier.native is not None else {}
         batch = "" if self.mode == "torch" else f", runtime batches: {status.get('batch')}"
+        if self.mode == "auto":
+            batch += f", gathers pieces under {GATHER_BELOW >> 10} KiB"
         failed = status.get("batch_error")
         return f"{self.mode} via {self.runtime}{batch}" + (
             f" (batch refused with error {failed}: looping)" if failed else ""
         )
+
+    def _slices(self, plan: CopyPlan) -> tuple[int, np.ndarray] | None:
+        """Row slices to gather through, where this request goes through staging."""
+        if self.mode not in ("gather", "auto"):
+            return None
+        if self.mode == "auto" and plan.nbytes >= GATHER_BELOW * plan.copies:
+            return None  # pieces large enough for the copy engines as they are
+        return row_slices(plan.tensors.table)
 
     def mark(self) -> object:
         # Recorded where the caller submits, on the caller's current (compute)
@@ -336,7 +383,7 @@ class CudaCopier(_Copier):  # pragma: no cover - needs a GPU
             # a load must not overwrite blocks that work queued before it may
             # still read (the blocks it was handed were free a moment ago).
             stream.wait_event(marker)  # type: ignore[arg-type]
-            slices = row_slices(plan.tensors.table) if self.mode == "gather" else None
+            slices = self._slices(plan)
             if self.mode == "torch" or self._cuda_copy is None:
                 copy_pieces_torch(plan)
                 copies = plan.copies
@@ -346,9 +393,11 @@ class CudaCopier(_Copier):  # pragma: no cover - needs a GPU
                 def rows(table: np.ndarray, pieces: np.ndarray, spans: np.ndarray) -> None:
                     cuda_copy(table, pieces, spans, plan.store, handle, index, True)
 
+                # As many rows as the request has, up to staging_bytes (one at least).
+                rows_needed = len(np.unique(plan.pieces[:, 0]))
+                size = min(max(self._staging_bytes, slices[0]), rows_needed * slices[0])
                 staging = self._staging.get(plan.store)
-                if staging is None or len(staging) < slices[0]:
-                    size = max(self._staging_bytes, slices[0])
+                if staging is None or len(staging) < size:
                     staging = torch.empty(size, dtype=torch.uint8, device=self._device)
                     self._staging[plan.store] = staging
                 copies = gather_copy(plan, staging, slices, rows)

@@ -73,18 +73,24 @@ class TestTorchViewsInContiguousPieces(_ConfiguredCopier):
     copier = TorchPiecesCopier
 
 
-class TestGatherThroughStagingRows(_ConfiguredCopier):
+class _GatherCounts:
+    """A gathering copier counts a copy per row and per tensor per round of staging rows."""
+
+    gather_rounds: ClassVar[int]
+    """Rounds of staging rows the five rows of the store below take."""
+
+    async def test_consecutive_blocks_coalesce_into_one_copy_per_tensor(self, opened: Any) -> None:
+        xfer, layout, _kv, _host = opened("kv-first", 2)
+        await xfer.store(np.arange(2, 12), [3, 4, 5, 6, 7])
+        assert xfer.statistics().copies_issued == 5 + len(layout.tensors) * self.gather_rounds
+        await xfer.aclose()
+
+
+class TestGatherThroughStagingRows(_GatherCounts, _ConfiguredCopier):
     """The CUDA backend's gather mode on CPU: one row of staging, so a round per row."""
 
     copier = staticmethod(lambda: TorchGatherCopier(staging_bytes=1))
-
-    async def test_consecutive_blocks_coalesce_into_one_copy_per_tensor(self, opened: Any) -> None:
-        """Here a copy is a row or a gather of one tensor, per round of staging rows."""
-        xfer, layout, _kv, _host = opened("kv-first", 2)
-        n = len(layout.tensors)
-        await xfer.store(np.arange(2, 12), [3, 4, 5, 6, 7])
-        assert xfer.statistics().copies_issued == 5 * (n + 1)
-        await xfer.aclose()
+    gather_rounds = 5
 
 
 needs_cuda = pytest.mark.skipif(
@@ -94,20 +100,22 @@ needs_cuda = pytest.mark.skipif(
 
 @pytest.mark.gpu
 @needs_cuda
-class TestCudaBackend(DeviceTransferSuite):  # pragma: no cover - needs a GPU
+class TestCudaBackend(_GatherCounts, DeviceTransferSuite):  # pragma: no cover - needs a GPU
+    """The default (auto): the suite's pieces are small, so it gathers through staging."""
+
     backend = "cuda"
     device = "cuda"
-    contiguous_pieces_only = True
+    gather_rounds = 1
 
 
 @pytest.mark.gpu
 @needs_cuda
-class TestCudaBackendLoop(_ConfiguredCopier):  # pragma: no cover - needs a GPU
-    """The CUDA backend issuing one cudaMemcpyAsync per piece (no batches)."""
+class TestCudaBackendBatch(_ConfiguredCopier):  # pragma: no cover - needs a GPU
+    """Every piece queued as it is, in cudaMemcpyBatchAsync calls."""
 
     backend = "cuda"
     device = "cuda"
-    copier = staticmethod(lambda: CudaCopier("cuda", mode="loop"))
+    copier = staticmethod(lambda: CudaCopier("cuda", mode="batch"))
 
 
 class _BrokenCopier(CpuCopier):

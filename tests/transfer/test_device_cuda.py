@@ -12,7 +12,8 @@ import torch
 
 from kvtier.layout import KVLayout
 from kvtier.testing.device import HostRows
-from kvtier.transfer.device import DeviceTransfer, open_device_transfer
+from kvtier.transfer._cuda_copy import CudaCopier, Mode
+from kvtier.transfer.device import DeviceTransfer, _ThreadedTransfer, open_device_transfer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,12 +25,15 @@ pytestmark = [
 SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time queued ahead of the model's write
 
 
-def _open(bpc: int = 1) -> tuple[DeviceTransfer, torch.Tensor, HostRows]:
+def _open(bpc: int = 1, mode: Mode | None = None) -> tuple[DeviceTransfer, torch.Tensor, HostRows]:
     kv = torch.zeros(2, 16, 4, 64, dtype=torch.float16, device="cuda")
     layout = KVLayout.from_tensors(
         [kv], model_id="m", block_tokens=4, blocks_per_chunk=bpc, kv_first=True
     )
     host = HostRows.for_layout(layout, rows=8, pin=True)
+    if mode is not None:
+        copier = CudaCopier(kv.device, mode=mode)
+        return _ThreadedTransfer(layout, [kv], host.views, copier), kv, host
     return open_device_transfer(layout, [kv], host.views, backend="cuda"), kv, host
 
 
@@ -55,9 +59,22 @@ async def test_a_load_lands_after_work_queued_before_it() -> None:  # pragma: no
 
 
 async def test_copies_are_contiguous_pieces() -> None:  # pragma: no cover
-    xfer, _kv, _host = _open(bpc=2)
+    xfer, _kv, _host = _open(bpc=2, mode="batch")
     await xfer.store(np.arange(6), [0, 1, 2])
     # Host rows are strided and K and V are apart on the device: one copy per
-    # row and half, each a single cudaMemcpyAsync between pinned and device memory.
+    # row and half, each a single DMA between pinned and device memory.
     assert xfer.statistics().copies_issued == 3 * 2
+    await xfer.aclose()
+
+
+async def test_small_pieces_go_through_staging_rows() -> None:  # pragma: no cover
+    xfer, kv, host = _open(bpc=2)  # auto: 1 KiB pieces, far under GATHER_BELOW
+    kv.copy_(torch.arange(kv.numel(), dtype=torch.int64).view_as(kv).to(torch.float16))
+    await xfer.store(np.arange(6), [0, 1, 2])
+    # A gather of the one tensor into three staging rows, then a DMA per row.
+    assert xfer.statistics().copies_issued == 1 + 3
+    raw = kv.view(torch.uint8).cpu()
+    for row in range(3):
+        want = torch.cat([raw[h, 2 * row : 2 * row + 2].flatten() for h in (0, 1)])
+        assert torch.equal(host.views[0][row], want)
     await xfer.aclose()
