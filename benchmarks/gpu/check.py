@@ -754,7 +754,7 @@ def _baseline(
 def check_bench(rep: Report, quick: bool) -> None:
     table: list[dict[str, Any]] = []
     if CUDA:
-        hows = ["cuda-batch", "cuda-gather", "cuda-loop", "cuda-torch"]
+        hows = ["cuda-auto", "cuda-batch", "cuda-gather", "cuda-loop", "cuda-torch"]
         rows = 32 if quick else 256  # 512 MiB requests
         for shape in (REALISTIC, BIG):
             table += _bench_shape(rep, shape, "cuda", hows, rows, 3 if quick else 7)
