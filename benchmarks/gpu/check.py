@@ -246,7 +246,10 @@ def _transfer(layout: Any, kv: list[torch.Tensor], views: list[torch.Tensor], ho
         from kvtier.transfer._cuda_copy import CudaCopier
 
         mode: Any = how.removeprefix("cuda-")
-        copier: Any = CudaCopier(kv[0].device, mode=mode)
+        if mode == "gather-512m":  # the staging the default's 128 MiB is measured against
+            copier: Any = CudaCopier(kv[0].device, mode="gather", staging_bytes=512 << 20)
+        else:
+            copier = CudaCopier(kv[0].device, mode=mode)
     elif how == "cpu":
         copier = CpuCopier()
     elif how == "cpu-python":
@@ -754,7 +757,8 @@ def _baseline(
 def check_bench(rep: Report, quick: bool) -> None:
     table: list[dict[str, Any]] = []
     if CUDA:
-        hows = ["cuda-auto", "cuda-batch", "cuda-gather", "cuda-loop", "cuda-torch"]
+        hows = ["cuda-auto", "cuda-batch", "cuda-gather", "cuda-gather-512m", "cuda-loop"]
+        hows += ["cuda-torch"]
         rows = 32 if quick else 256  # 512 MiB requests
         for shape in (REALISTIC, BIG):
             table += _bench_shape(rep, shape, "cuda", hows, rows, 3 if quick else 7)

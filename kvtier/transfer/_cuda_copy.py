@@ -23,6 +23,7 @@ per piece is the fallback (``torch``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -58,7 +59,7 @@ one run of bytes, else ``batch``; ``torch`` where the compiled module or a
 runtime does not load)."""
 
 STAGING_BYTES = 128 << 20
-"""Device staging buffer of the ``gather`` mode, per direction."""
+"""Device memory of the ``gather`` mode's two staging buffers, per direction."""
 
 GATHER_BELOW = 256 << 10
 """``auto`` gathers requests whose pieces average fewer bytes than this."""
@@ -124,84 +125,171 @@ def _units(pieces: np.ndarray, slot: np.ndarray) -> np.ndarray:
     return np.stack([slot[which], pieces[which, 1] + within, pieces[which, 2] + within], axis=0)
 
 
-def _word(table: np.ndarray, staging: Any, slice_bytes: int, offsets: np.ndarray) -> int:
+class Lanes:
+    """Where :func:`gather_copy` queues its two kinds of work: row copies, indexing.
+
+    This one runs both on the current stream (CPU tensors, or a single CUDA
+    stream); :class:`CudaCopier` passes lanes on two streams, so that one
+    buffer's rows are copied while the other's are gathered or scattered.
+    """
+
+    def indexing(self) -> contextlib.AbstractContextManager[object]:
+        """Make the indexing lane current."""
+        return contextlib.nullcontext()
+
+    def mark_copies(self) -> object:
+        """A marker after the row copies queued so far."""
+        return None
+
+    def mark_indexing(self) -> object:
+        """A marker after the indexing queued so far."""
+        return None
+
+    def copies_wait(self, marker: object) -> None:
+        """Row copies queued from now on run after ``marker``."""
+
+    def indexing_waits(self, marker: object) -> None:
+        """Indexing queued from now on runs after ``marker``."""
+
+
+class _CudaLanes(Lanes):  # pragma: no cover - needs a GPU
+    def __init__(self, torch: Any, copies: Any, indexing: Any) -> None:
+        self._torch, self._copies, self._indexing = torch, copies, indexing
+
+    def indexing(self) -> contextlib.AbstractContextManager[object]:
+        return self._torch.cuda.stream(self._indexing)  # type: ignore[no-any-return]
+
+    def mark_copies(self) -> object:
+        return self._copies.record_event()
+
+    def mark_indexing(self) -> object:
+        return self._indexing.record_event()
+
+    def copies_wait(self, marker: object) -> None:
+        if marker is not None:
+            self._copies.wait_event(marker)
+
+    def indexing_waits(self, marker: object) -> None:
+        if marker is not None:
+            self._indexing.wait_event(marker)
+
+
+def _word(table: np.ndarray, buffers: list[Any], slice_bytes: int, offsets: np.ndarray) -> int:
     """The widest element (8 or 1 bytes) every unit, offset and base address allows.
 
     The indexing kernels move one element per thread: 8-byte ones move a unit
     with an eighth of the threads of bytes.
     """
-    values = [*table[:, 0].tolist(), *table[:, 2].tolist(), *offsets.tolist()]
-    values += [staging.data_ptr(), slice_bytes, len(staging)]
+    values = [*table[:, 0].tolist(), *table[:, 2].tolist(), *offsets.tolist(), slice_bytes]
+    for b in buffers:
+        values += [b.data_ptr(), len(b)]
     return 8 if all(v % 8 == 0 for v in values) else 1
 
 
-def gather_copy(plan: CopyPlan, staging: Any, slices: tuple[int, np.ndarray], rows: RowCopy) -> int:
-    """Run ``plan`` through ``staging``, ``len(staging) // slice`` rows at a time.
+def gather_copy(
+    plan: CopyPlan,
+    buffers: list[Any],
+    slices: tuple[int, np.ndarray],
+    rows: RowCopy,
+    lanes: Lanes | None = None,
+) -> int:
+    """Run ``plan`` through staging ``buffers`` in turn, ``len(buffer) // slice`` rows a round.
 
-    On the current stream: a store gathers each tensor's pieces into the
-    staging rows with one indexing kernel per tensor, then ``rows`` copies the
-    rows out; a load copies rows in, then scatters. The indices of every round
-    go to the device in one copy from pinned memory, before the first round:
-    a copy from pageable memory would wait for the stream to drain, and the
-    rounds would no longer queue ahead of the GPU. Returns the copies queued
-    (rows, and one gather or scatter per tensor, per round).
+    A store gathers each tensor's pieces into a buffer's rows (an index_select
+    and an index_copy per tensor), then ``rows`` copies the rows out; a load
+    copies rows in, then scatters. With two buffers and :class:`Lanes` on two
+    streams, a round's indexing overlaps the previous round's row copies. The
+    indices of every round go to the device in one copy from pinned memory,
+    first: a copy from pageable memory would wait for the stream to drain.
+    Returns the copies queued (rows, and a gather or scatter per tensor and
+    round).
     """
     import torch
 
+    lanes = lanes or Lanes()
     t = plan.tensors
     slice_bytes, offsets = slices
-    cap = len(staging) // slice_bytes
+    cap = len(buffers[0]) // slice_bytes
     pieces = plan.pieces
     request_rows = np.unique(pieces[:, 0])
-    one = t.table[:1].copy()  # the staging buffer as the device side, rows as they are
-    one[0, [0, 2, 4, 5]] = (staging.data_ptr(), slice_bytes, len(staging), slice_bytes)
     rounds = [request_rows[i : i + cap] for i in range(0, len(request_rows), cap)]
-    # Units of every round and distinct span, in one array: (round, span) -> columns.
     spans = plan.spans.tolist()
-    where: dict[tuple[int, int, int], tuple[int, int]] = {}
+    units = [int(u) for u in t.table[:, 2]]
+    # Indices of every round, distinct span and unit, in one array: key -> columns.
+    where: dict[tuple[int, int, int, int], tuple[int, int]] = {}
     parts = []
     at = 0
     for r, chunk in enumerate(rounds):
-        for a, b in dict.fromkeys(map(tuple, spans)):
+        for (a, b), unit in dict.fromkeys(
+            (tuple(sp), u) for sp, u in zip(spans, units, strict=True)
+        ):
             p = pieces[a:b]
             p = p[(p[:, 0] >= chunk[0]) & (p[:, 0] <= chunk[-1])]
-            u = _units(p, np.searchsorted(chunk, p[:, 0]))
-            where[(r, a, b)] = (at, at + u.shape[1])
-            parts.append(u)
-            at += u.shape[1]
-    host_idx = torch.from_numpy(np.concatenate(parts, axis=1))
-    if staging.device.type == "cuda":  # pragma: no cover - needs a GPU
-        host_idx = host_idx.pin_memory()  # torch's pinned cache keeps it until the copy ran
-    idx = host_idx.to(staging.device, non_blocking=True)
-    w = _word(t.table, staging, slice_bytes, offsets)
+            slot, host, dev = _units(p, np.searchsorted(chunk, p[:, 0]))
+            # A unit's place in the round's rows, counted in units from the tensor's part.
+            flat = slot * (slice_bytes // unit) + host if slice_bytes % unit == 0 else None
+            cols = np.stack([slot, host, dev, flat if flat is not None else host])
+            where[(r, a, b, unit)] = (at, at + cols.shape[1])
+            parts.append(cols)
+            at += cols.shape[1]
+    w = _word(t.table, buffers, slice_bytes, offsets)
     kind = torch.int64 if w == 8 else torch.uint8
-    words = staging.view(kind)
+    words = [b.view(kind) for b in buffers]
+    lanes.indexing_waits(lanes.mark_copies())  # after the marker and earlier requests
+    with lanes.indexing():
+        host_idx = torch.from_numpy(np.concatenate(parts, axis=1))
+        if buffers[0].device.type == "cuda":  # pragma: no cover - needs a GPU
+            host_idx = host_idx.pin_memory()  # torch's pinned cache keeps it until copied
+        idx = host_idx.to(buffers[0].device, non_blocking=True)
+    free: list[object] = [None] * len(buffers)
     copies = 0
     for r, chunk in enumerate(rounds):
-        k = len(chunk)
+        k, n = len(chunk), r % len(buffers)
+        one = t.table[:1].copy()  # this buffer as the device side, rows as they are
+        one[0, [0, 2, 4, 5]] = (buffers[n].data_ptr(), slice_bytes, len(buffers[n]), slice_bytes)
         row_plan = np.stack([chunk, np.zeros(k, np.int64), np.arange(k), np.ones(k, np.int64)], 1)
         row_span = np.array([[0, k]], dtype=np.int64)
         if not plan.store:
+            lanes.copies_wait(free[n])  # the last scatter out of this buffer is done
             rows(one, row_plan, row_span)
-        for i, (a, b) in enumerate(spans):
-            lo, hi = where[(r, a, b)]
-            slot_i, host_i, dev_i = idx[:, lo:hi]
-            unit, row_bytes = int(t.table[i, 2]), int(t.table[i, 5])
-            dev = t.dev[i].view(kind).view(-1, unit // w)
-            rows_i = torch.as_strided(
-                words,
-                (k, row_bytes // unit, unit // w),
-                (slice_bytes // w, unit // w, 1),
-                int(offsets[i]) // w,
-            )
+            lanes.indexing_waits(lanes.mark_copies())
+        with lanes.indexing():
             if plan.store:
-                rows_i[slot_i, host_i] = dev[dev_i]
-            else:
-                dev[dev_i] = rows_i[slot_i, host_i]
-            copies += 1
+                lanes.indexing_waits(free[n])  # the last copy out of this buffer is done
+            for i, (a, b) in enumerate(spans):
+                lo, hi = where[(r, a, b, units[i])]
+                slot_i, host_i, dev_i, flat_i = idx[:, lo:hi]
+                uw = units[i] // w
+                dev = t.dev[i].view(kind).view(-1, uw)
+                if slice_bytes % units[i] == 0:
+                    start = int(offsets[i]) // w
+                    part = torch.as_strided(
+                        words[n], ((len(words[n]) - start) // uw, uw), (uw, 1), start
+                    )
+                    if plan.store:
+                        part.index_copy_(0, flat_i, torch.index_select(dev, 0, dev_i))
+                    else:
+                        dev.index_copy_(0, dev_i, torch.index_select(part, 0, flat_i))
+                else:  # rows as (row, unit) pairs: the slice is not a whole number of units
+                    part = torch.as_strided(
+                        words[n],
+                        (k, int(t.table[i, 5]) // units[i], uw),
+                        (slice_bytes // w, uw, 1),
+                        int(offsets[i]) // w,
+                    )
+                    if plan.store:
+                        part[slot_i, host_i] = dev[dev_i]
+                    else:
+                        dev[dev_i] = part[slot_i, host_i]
+                copies += 1
+            if not plan.store:
+                free[n] = lanes.mark_indexing()
         if plan.store:
+            lanes.copies_wait(lanes.mark_indexing())
             rows(one, row_plan, row_span)
+            free[n] = lanes.mark_copies()
         copies += k
+    lanes.copies_wait(lanes.mark_indexing())  # the request ends on the copy lane
     return copies
 
 
@@ -211,7 +299,7 @@ class TorchGatherCopier(_Copier):
     name = "torch-gather"
 
     def __init__(self, staging_bytes: int = STAGING_BYTES) -> None:
-        self._staging_bytes = staging_bytes
+        self._staging_bytes = staging_bytes  # two buffers of half of it (a slice at least)
 
     def mark(self) -> object:
         return None
@@ -224,12 +312,13 @@ class TorchGatherCopier(_Copier):
         if compiled is None or slices is None:
             copy_pieces_torch(plan)
             return plan.copies, None
-        staging = torch.empty(max(self._staging_bytes, slices[0]), dtype=torch.uint8)
+        size = max(self._staging_bytes // 2, slices[0])
+        buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
 
         def rows(table: np.ndarray, pieces: np.ndarray, spans: np.ndarray) -> None:
             compiled.copy_host(table, pieces, spans, plan.store, 0, 1)
 
-        return gather_copy(plan, staging, slices, rows), None
+        return gather_copy(plan, buffers, slices, rows), None
 
 
 def cudart_candidates() -> list[str]:
@@ -304,8 +393,8 @@ class CudaCopier(_Copier):  # pragma: no cover - needs a GPU
     mode
         How the pieces are queued (:data:`Mode`).
     staging_bytes
-        Size of each direction's device staging buffer in ``gather`` mode
-        (at least one row's slice).
+        Device memory of each direction's two staging buffers in ``gather``
+        mode (each holds a row's slice at least).
 
     Raises
     ------
@@ -333,8 +422,13 @@ class CudaCopier(_Copier):  # pragma: no cover - needs a GPU
         self.mode: Mode = mode
         self.runtime = "none"
         self._staging_bytes = staging_bytes
-        # Per direction: its stream's staging buffer (gather), allocated at first use.
-        self._staging: dict[bool, Any] = {}
+        # Per direction (gather): a second stream for the indexing kernels, and two
+        # staging buffers, allocated at first use.
+        self._indexing = {
+            True: torch.cuda.Stream(device),  # type: ignore[no-untyped-call]
+            False: torch.cuda.Stream(device),  # type: ignore[no-untyped-call]
+        }
+        self._staging: dict[bool, list[Any]] = {}
         if mode != "torch":
             try:
                 path, version = load_cudart()
@@ -357,6 +451,21 @@ class CudaCopier(_Copier):  # pragma: no cover - needs a GPU
         return f"{self.mode} via {self.runtime}{batch}" + (
             f" (batch refused with error {failed}: looping)" if failed else ""
         )
+
+    def _buffers(self, plan: CopyPlan, slice_bytes: int) -> list[Any]:
+        """The direction's two staging buffers, as large as the request needs, up to half
+        of ``staging_bytes`` each (a row's slice at least); grown when a request needs more."""
+        torch = self._torch
+        rows = len(np.unique(plan.pieces[:, 0]))
+        size = min(max(self._staging_bytes // 2, slice_bytes), rows * slice_bytes)
+        buffers = self._staging.get(plan.store)
+        if buffers is None or len(buffers[0]) < size:
+            indexing = self._indexing[plan.store]
+            buffers = [torch.empty(size, dtype=torch.uint8, device=self._device) for _ in "ab"]
+            for b in buffers:  # freed only once the indexing stream is done with it too
+                b.record_stream(indexing)
+            self._staging[plan.store] = buffers
+        return buffers
 
     def _slices(self, plan: CopyPlan) -> tuple[int, np.ndarray] | None:
         """Row slices to gather through, where this request goes through staging."""
@@ -393,14 +502,8 @@ class CudaCopier(_Copier):  # pragma: no cover - needs a GPU
                 def rows(table: np.ndarray, pieces: np.ndarray, spans: np.ndarray) -> None:
                     cuda_copy(table, pieces, spans, plan.store, handle, index, True)
 
-                # As many rows as the request has, up to staging_bytes (one at least).
-                rows_needed = len(np.unique(plan.pieces[:, 0]))
-                size = min(max(self._staging_bytes, slices[0]), rows_needed * slices[0])
-                staging = self._staging.get(plan.store)
-                if staging is None or len(staging) < size:
-                    staging = torch.empty(size, dtype=torch.uint8, device=self._device)
-                    self._staging[plan.store] = staging
-                copies = gather_copy(plan, staging, slices, rows)
+                lanes = _CudaLanes(torch, stream, self._indexing[plan.store])
+                copies = gather_copy(plan, self._buffers(plan, slices[0]), slices, rows, lanes)
             else:
                 t = plan.tensors
                 copies = self._cuda_copy(
