@@ -58,8 +58,12 @@ where its pieces average under :data:`GATHER_BELOW` and each row's slice is
 one run of bytes, else ``batch``; ``torch`` where the compiled module or a
 runtime does not load)."""
 
-STAGING_BYTES = 128 << 20
-"""Device memory of the ``gather`` mode's two staging buffers, per direction."""
+STAGING_BYTES = 512 << 20
+"""Device memory of the ``gather`` mode's two staging buffers, per direction, at most:
+they grow to what a request needs. Each round of rows costs about 1.5 ms of Python
+issuing two indexing kernels per tensor of 32 (H100, docs/lab/gpu.md): 256 MiB
+rounds keep a store and a load at once ahead of the copy engines, 64 MiB ones did
+not (0.30x one contiguous copy each way, against 0.70x)."""
 
 GATHER_BELOW = 256 << 10
 """``auto`` gathers requests whose pieces average fewer bytes than this."""
