@@ -71,7 +71,7 @@ import os
 import threading
 import time
 from collections.abc import Collection, Coroutine, Iterable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -95,15 +95,16 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 )
 from vllm.v1.kv_offload.config import OffloadingConfig  # type: ignore[import-not-found]
 
+from kvtier.chain import Answer, Chain, Intent, LowerTier, Outcome, ReadDone, TierChanged
 from kvtier.config import KVTierConfig
-from kvtier.engine import open_file_tier_below
-from kvtier.errors import BusyError, ConfigurationError, KVTierError, LayoutError
+from kvtier.errors import BusyError, ConfigurationError, LayoutError
 from kvtier.integrations.vllm.identity import model_identity
 from kvtier.integrations.vllm.settings import VLLMSettings, parse_extra_config
 from kvtier.layout import KVLayout, TensorSpec
-from kvtier.manager import BlockRemoved, ManagerEvent, ResidencyManager, StorePlan
+from kvtier.manager import BlockRemoved, ManagerEvent, ResidencyManager
 from kvtier.region import CPURegion
-from kvtier.tiers.file_tier import FileTier
+from kvtier.tier_driver import TierDriver
+from kvtier.tiers.base import Announces, Recovers, Tier
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.device import DeviceTransfer, open_device_transfer
 
@@ -394,10 +395,16 @@ class KVTierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
 
 
 class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
-    """The scheduler side: which block is in which row, the file tier below.
+    """The scheduler side: vLLM's calls translated onto kvtier's chain of tiers.
 
     Every method is called by vLLM's scheduler thread, is synchronous and does
-    no I/O: file reads and writes are handed to the loop thread.
+    no I/O. Where every block is and what to do next is the
+    :class:`~kvtier.chain.Chain`'s (the same decisions whatever the front);
+    this class translates vLLM's keys and answers, carries the chain's intents
+    to kvtier's loop thread (a :class:`~kvtier.tier_driver.TierDriver` runs
+    them on the tiers) and hands their outcomes back to the chain through a
+    queue it drains at the start of every call. It never waits for I/O
+    (except in :meth:`shutdown`).
 
     *Names.* vLLM's key of a block is kept (``kvtier key -> OffloadKey``) while
     the block is in the CPU tier, to report it as evicted, and, with events on,
@@ -412,7 +419,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         layout: KVLayout,
         region: CPURegion,
         loop: _LoopThread,
-        file_tier: FileTier | None,
+        tiers: list[Tier],
         *,
         enable_events: bool = False,
     ) -> None:
@@ -423,42 +430,46 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._ns = layout.namespace
         self._region = region
         self._loop = loop
-        self._file = file_tier
-        self._cpu = ResidencyManager(
-            region.rows, self._config.eviction_policy, tier="cpu", enable_events=enable_events
+        self._tiers = tiers
+        specs = [spec for _name, spec in self._config.chain]
+        self._tier_names = [spec.name for spec in specs]
+        self._chain = Chain(
+            ResidencyManager(
+                region.rows, self._config.eviction_policy, tier="cpu", enable_events=enable_events
+            ),
+            [
+                LowerTier(spec.name, shared=tier.shared, promote_up=i > 0 and spec.promotes_up)
+                for i, (spec, tier) in enumerate(zip(specs, tiers, strict=True))
+            ],
+            lookup_deadline_s=settings.lookup_deadline_s,
         )
+        # The file tier (the one tier of this instance's own) announces KV events.
+        self._event_tier = self._tier_names.index("file") if "file" in self._tier_names else -1
         self._names: dict[bytes, OffloadKey] = {}
-        # Results from the loop thread: ("promoted", keys, ok keys), ("written", keys,
-        # failed count), ("events", (), the file tier's events).
-        self._results: collections.deque[tuple[str, tuple[bytes, ...], object]]
-        self._results = collections.deque()
+        # Filled on the loop thread, drained on vLLM's: deque append and popleft
+        # are atomic, so the two threads need no lock.
+        self._outcomes: collections.deque[Outcome | _TierEvents] = collections.deque()
         self._events: collections.deque[OffloadingEvent] | None = (
             collections.deque() if enable_events else None
         )
         self._event_keys = 0
         self._announced_file: set[bytes] = set()
-        self._to_promote: list[bytes] = []
-        self._promoting: set[bytes] = set()
-        self._writes = 0
         self._closed = False
         self._n: dict[str, int] = dict.fromkeys(
-            (
-                "lookups",
-                "lookup_hits",
-                "stores",
-                "store_refusals",
-                "loads",
-                "loaded_blocks",
-                "promotions",
-                "promotion_failures",
-                "file_writes",
-                "write_through_failures",
-                "events_published",
-                "events_dropped",
-            ),
-            0,
+            ("stores", "loads", "loaded_blocks", "events_published", "events_dropped"), 0
         )
         self._last_stats = ""
+        self._driver = TierDriver(
+            tiers, self._tier_names, region, self._outcomes.append, self._after_tier_call
+        )
+        for i, tier in enumerate(tiers):
+            if not isinstance(tier, Recovers):
+                continue
+            if tier.recovering:  # the scan goes on: its blocks join when it ends
+                loop.soon(self._seed, i, tier)
+            else:  # found at open: known before vLLM's first lookup
+                keys = loop.run(_recovered(tier))
+                self._chain.settle(TierChanged(i, added=tuple(keys)))
 
     @classmethod
     def open(
@@ -469,7 +480,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         *,
         enable_events: bool = False,
     ) -> KVTierOffloadingManager:
-        """Open the file tier (if configured) on a loop thread of its own.
+        """Open the tiers below the CPU region (if configured) on a loop thread of their own.
 
         Parameters
         ----------
@@ -480,14 +491,14 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             ``enable_kv_cache_events``).
         """
         loop = _LoopThread("kvtier-vllm-scheduler")
-        file_tier = None
-        cfg = settings.config.file_tier
+        tiers: list[Tier] = []
         try:
-            if cfg is not None:
-                file_tier = loop.run(
-                    open_file_tier_below(cfg, layout, region, enable_events=enable_events)
-                )
+            for _name, spec in settings.config.chain:
+                tiers.append(loop.run(spec.open_below(layout, region, enable_events=enable_events)))
         except BaseException:
+            for tier in reversed(tiers):
+                with contextlib.suppress(Exception):
+                    loop.run(tier.aclose(), timeout=60.0)
             loop.stop()
             region.close()
             raise
@@ -497,74 +508,48 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             region.row_stride,
             int(settings.config.cpu_bytes_to_use),
         )
-        if file_tier is not None and cfg is not None:
-            st = file_tier.statistics()
-            log.info(
-                "kvtier: file tier at %s: %s, queue depth %d, %s I/O, %d bytes of slots, "
-                "%d blocks recovered",
-                cfg.root,
-                st.io_engine,
-                st.queue_depth,
-                "O_DIRECT" if st.direct_io else "buffered",
-                st.capacity_bytes,
-                st.recovered_blocks,
-            )
-        return cls(settings, layout, region, loop, file_tier, enable_events=enable_events)
+        for (name, _spec), tier in zip(settings.config.chain, tiers, strict=True):
+            log.info("kvtier: %s tier: %s", name, _describe(tier))
+        return cls(settings, layout, region, loop, tiers, enable_events=enable_events)
 
     # -- vLLM's OffloadingManager -------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._drain()
         k = self._key(key)
-        self._n["lookups"] += 1
-        # Through the CPU tier's lookup, so that its hits and misses count what
-        # vLLM asked (one key at a time, up to its first miss), as under the Engine.
-        if self._cpu.lookup((k,)):
-            self._n["lookup_hits"] += 1
-            return LookupResult.HIT
-        if k in self._promoting:
-            return LookupResult.RETRY  # the read may still fail: not a hit yet
-        if k in self._cpu:
-            return LookupResult.HIT_PENDING  # a store from the device is in flight
-        # A membership read of the file tier's index from this thread: atomic
-        # under the GIL, and a stale answer only costs a promotion that fails.
-        if self._file is not None and self._file.is_ready(k) and k not in self._to_promote:
-            self._to_promote.append(k)
-            self._names[k] = key
-            return LookupResult.RETRY
-        if k in self._to_promote:
-            return LookupResult.RETRY
-        return LookupResult.MISS
+        answer = self._chain.lookup(k)
+        if answer is Answer.RETRY:
+            self._names[k] = key  # announced in the CPU tier once promoted
+        return _ANSWERS[answer]
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> RowsSpec:
         self._drain()
         ks = [self._key(k) for k in keys]
-        plan = self._cpu.prepare_load(ks)
+        slots = self._chain.pin_for_device_load(ks)
         self._n["loads"] += 1
         self._n["loaded_blocks"] += len(ks)
-        return RowsSpec(list(plan.slots))
+        return RowsSpec(list(slots))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        ks = [k for k in (self._key(x) for x in keys) if self._cpu.is_ready(k)]
-        if ks:
-            self._cpu.touch(ks)
+        self._chain.touch([self._key(x) for x in keys])
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self._cpu.complete_load([self._key(k) for k in keys])
+        self._chain.unpin_device_load([self._key(k) for k in keys])
         self._drain()
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         self._drain()
+        cpu = self._chain.cpu
         todo: dict[bytes, OffloadKey] = {}
         for key in keys:
             k = self._key(key)
-            if k not in self._cpu and k not in self._to_promote:
+            if k not in cpu:
                 todo[k] = key
         if not todo:
             return PrepareStoreOutput(keys_to_store=[], store_spec=RowsSpec([]), evicted_keys=[])
-        plan = self._place(list(todo))
+        plan = self._chain.place(list(todo))
         if plan is None:  # every row pinned or being written
             # vLLM keeps these blocks and asks again at its next step.
             self._refused(len(todo), 0)
@@ -585,54 +570,14 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             evicted_keys=evicted,
         )
 
-    def _place(self, keys: list[bytes]) -> StorePlan | None:
-        """Rows for the longest prefix of ``keys`` that fits the CPU tier now."""
-        st = self._cpu.statistics()
-        n = min(len(keys), st.capacity - st.used + st.evictable)
-        while n:
-            plan = self._cpu.prepare_store(keys[:n])
-            if plan is not None:
-                return plan
-            n //= 2  # the room counted rows this call's own blocks would free
-        return None
-
-    def _refused(self, count: int, offered: int) -> None:
-        """Count refused blocks; the first refusal is logged with the sizing rule."""
-        first = not self._n["store_refusals"]
-        self._n["store_refusals"] += count
-        if first:
-            rows = self._cpu.capacity
-            log.warning(
-                "kvtier's CPU tier (%d rows of %d bytes, cpu_bytes_to_use=%d) could not take "
-                "%d of the %d blocks one scheduler step offered%s. Give it at least twice the "
-                "rows one step stores (max_num_batched_tokens / (block_size x "
-                "blocks_per_chunk)): rows held by file writes in flight are not reusable "
-                "until the write ends. See docs/vllm.md, 'Sizing the CPU tier'. Logged once; "
-                "refusals are counted as store_refusals",
-                rows,
-                self._region.row_stride,
-                int(self._config.cpu_bytes_to_use),
-                count,
-                offered or count,
-                "" if not offered else " (the leading ones were stored)",
-            )
-
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         ks = [self._key(k) for k in keys]
-        self._cpu.complete_store(ks, success)
+        self._chain.stored(ks, success)
         if not success:
             self._forget(ks)
-        if success and self._file is not None and ks:
-            if self._file.recovering:
-                self._n["write_through_failures"] += len(ks)
-            else:
-                # Pinned until the write is over: the row must not be reused meanwhile.
-                plan = self._cpu.prepare_load(ks)
-                rows = [self._region.row(s) for s in plan.slots]
-                self._writes += 1
-                self._loop.soon(self._start_write, tuple(ks), rows)
+        self._dispatch()  # write-through starts now, not at the end of the step
         self._drain()
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -640,13 +585,12 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def on_schedule_end(self, context: Any) -> None:
         self._drain()
-        if self._to_promote:
-            self._start_promotions()
+        self._dispatch()
         self._write_statistics()
 
     def has_pending_work(self) -> bool:
         self._drain()
-        return bool(self._promoting or self._to_promote)
+        return self._chain.waiting
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """The KV cache events since the last call, oldest first (see the module's Notes).
@@ -665,7 +609,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def reset_cache(self) -> None:
         self._drain()
         try:
-            self._cpu.reset()
+            self._chain.cpu.reset()
         except BusyError:
             log.warning("reset_cache: blocks are being loaded or stored; nothing was reset")
             return
@@ -673,19 +617,24 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._forget(list(self._names))
 
     def shutdown(self) -> None:
-        """Wait for file writes in flight (30 s at most), close the file tier and region."""
+        """Wait for tier writes in flight (30 s at most), close the tiers and the region."""
         if self._closed:
             return
         self._closed = True
         deadline = time.monotonic() + 30.0
-        while (self._writes or self._promoting) and time.monotonic() < deadline:
-            self._drain()
-            time.sleep(0.01)
         self._drain()
+        self._dispatch()
+        while self._chain.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self._drain()
+            self._dispatch()
         self._write_statistics(force=True)
         try:
-            if self._file is not None:
-                self._loop.run(self._file.aclose(), timeout=60.0)
+            for name, tier in reversed(list(zip(self._tier_names, self._tiers, strict=True))):
+                try:
+                    self._loop.run(tier.aclose(), timeout=60.0)
+                except Exception:
+                    log.exception("closing kvtier's %s tier failed", name)
         finally:
             self._loop.stop()
             self._region.close()
@@ -693,24 +642,63 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
     # -- kvtier's side ------------------------------------------------------------------
 
     def statistics(self) -> dict[str, Any]:
-        """Counters of this manager, the CPU tier's and the file tier's statistics."""
+        """Counters of this front and of the chain, and every tier's own statistics.
+
+        ``tiers`` maps each tier's name (``cpu``, then the lower tiers in
+        order) to the chain's counts for it; ``cpu`` and each lower tier's
+        name (``file``, ``cluster``) to that tier's own record. The flat
+        counters keep their names of earlier releases.
+        """
+        chain = self._chain.statistics()
+        lower = [chain.tiers[name] for name in self._tier_names]
         out: dict[str, Any] = dict(self._n)
-        out["cpu"] = asdict(self._cpu.statistics())
-        out["file"] = None if self._file is None else asdict(self._file.statistics())
+        out.update(
+            lookups=chain.lookups,
+            lookup_hits=chain.tiers["cpu"].lookup_hits,
+            store_refusals=chain.store_refusals,
+            deadline_misses=chain.deadline_misses,
+            promotions=sum(t.blocks_out for t in lower),
+            promotion_failures=sum(t.read_failures for t in lower),
+            file_writes=chain.tiers["file"].blocks_in if "file" in chain.tiers else 0,
+            write_through_failures=sum(t.write_failures for t in lower),
+            rows_held_by_writes=chain.rows_held_by_writes,
+            tiers={name: asdict(counts) for name, counts in chain.tiers.items()},
+            cpu=asdict(self._chain.cpu.statistics()),
+        )
+        out["file"] = None
+        for name, tier in zip(self._tier_names, self._tiers, strict=True):
+            # A snapshot of counters another thread updates: each field is read
+            # atomically under the GIL; the record as a whole may be a step stale.
+            out[name] = asdict(tier.statistics())  # type: ignore[call-overload]
         return out
 
     def _key(self, key: OffloadKey) -> bytes:
         return offload_key_to_kvtier(bytes(key), self._ns)
 
+    def _refused(self, count: int, offered: int) -> None:
+        """Log the first refusal with the sizing rule (the chain counts them)."""
+        if self._chain.statistics().store_refusals != count:
+            return
+        log.warning(
+            "kvtier's CPU tier (%d rows of %d bytes, cpu_bytes_to_use=%d) could not take "
+            "%d of the %d blocks one scheduler step offered%s. Give it at least twice the "
+            "rows one step stores (max_num_batched_tokens / (block_size x "
+            "blocks_per_chunk)): rows held by tier writes in flight are not reusable "
+            "until the write ends. See docs/vllm.md, 'Sizing the CPU tier'. Logged once; "
+            "refusals are counted as store_refusals",
+            self._chain.cpu.capacity,
+            self._region.row_stride,
+            int(self._config.cpu_bytes_to_use),
+            count,
+            offered or count,
+            "" if not offered else " (the leading ones were stored)",
+        )
+
     def _forget(self, keys: Iterable[bytes]) -> None:
         """Drop the names of blocks that no tier holds under a name any more."""
+        cpu, chain = self._chain.cpu, self._chain
         for k in keys:
-            if (
-                k not in self._cpu
-                and k not in self._announced_file
-                and k not in self._promoting
-                and k not in self._to_promote
-            ):
+            if k not in cpu and k not in self._announced_file and not chain.is_waiting(k):
                 self._names.pop(k, None)
 
     def _publish(self, keys: list[bytes], medium: Medium, removed: bool) -> None:
@@ -760,103 +748,47 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def _pull_cpu_events(self) -> None:
         if self._events is not None:
-            self._translate(self._cpu.take_events(), Medium.CPU)
+            self._translate(self._chain.cpu.take_events(), Medium.CPU)
 
-    def _start_promotions(self) -> None:
-        wanted = [k for k in self._to_promote if k not in self._cpu]
-        self._to_promote.clear()
-        keys = wanted
-        plan = self._cpu.prepare_store(keys) if keys else None
-        while plan is None and len(keys) > 1:
-            keys = keys[: len(keys) // 2]
-            plan = self._cpu.prepare_store(keys)
-        if plan is not None:
-            self._promoting.update(plan.keys)
-            self._pull_cpu_events()
-            self._forget(plan.evicted)
-        # Those left out (no free row) answer MISS at their next lookup.
-        self._forget(wanted)
-        if plan is None:
-            return
-        rows = [self._region.row(s) for s in plan.slots]
-        self._loop.soon(self._start_read, plan.keys, rows)
+    def _dispatch(self) -> None:
+        """Hand the chain's intents to the loop thread (one wake-up for all of them)."""
+        intents = self._chain.take_intents()
+        if intents:
+            self._loop.soon(self._carry_out, intents)
 
     def _drain(self) -> None:
-        while self._results:
-            what, keys, detail = self._results.popleft()
-            if what == "promoted":
-                assert isinstance(detail, frozenset)
-                good = [k for k in keys if k in detail]
-                bad = [k for k in keys if k not in detail]
-                if good:
-                    self._cpu.complete_store(good, True)
-                if bad:
-                    self._cpu.complete_store(bad, False)
-                    self._forget(bad)
-                self._promoting.difference_update(keys)
-                self._n["promotions"] += len(good)
-                self._n["promotion_failures"] += len(bad)
-            elif what == "events":
-                assert isinstance(detail, list)
-                self._translate(detail, Medium.STORAGE)
-            else:
-                assert isinstance(detail, int)
-                self._cpu.complete_load(keys)
-                self._writes -= 1
-                self._n["file_writes"] += len(keys) - detail
-                self._n["write_through_failures"] += detail
+        """Apply what the loop thread handed back, in order: outcomes, the file tier's events."""
+        outcomes, chain = self._outcomes, self._chain
+        while outcomes:
+            item = outcomes.popleft()
+            if isinstance(item, _TierEvents):
+                self._translate(item.events, Medium.STORAGE)
+                continue
+            chain.settle(item)
+            if isinstance(item, ReadDone):
+                self._forget([k for k in item.intent.keys if k not in item.loaded])
         self._pull_cpu_events()
 
-    # Loop thread only: start I/O, post the outcome to the queue.
+    # Loop thread only.
 
-    def _post_file_events(self) -> None:
+    def _carry_out(self, intents: list[Intent]) -> None:
+        for intent in intents:
+            self._driver.carry_out(intent)
+
+    def _after_tier_call(self, index: int) -> None:
         # The file tier's residency belongs to this thread: its events are taken
-        # here, after each operation, and handed over in order with the results.
-        assert self._file is not None
-        if self._events is not None and (events := self._file.take_events()):
-            self._results.append(("events", (), events))
+        # here, after each operation, and handed over with the outcome.
+        if index == self._event_tier and self._events is not None:
+            tier = self._tiers[index]
+            if isinstance(tier, Announces) and (events := tier.take_events()):
+                self._outcomes.append(_TierEvents(events))
 
-    def _start_read(self, keys: tuple[bytes, ...], rows: list[memoryview]) -> None:
-        assert self._file is not None
-        try:
-            comp = self._file.load(keys, rows)
-        except KVTierError as exc:
-            log.warning("file tier refused a read of %d blocks: %s", len(keys), exc)
-            self._results.append(("promoted", keys, frozenset()))
-            return
+    async def _seed_async(self, index: int, tier: Recovers) -> None:
+        await tier.wait_recovered()
+        self._driver.seed(index, tier.take_recovered_keys())
 
-        def done(c: Completion[Any]) -> None:
-            self._post_file_events()
-            if (exc := c.exception()) is not None:
-                log.warning("file tier read of %d blocks failed: %s", len(keys), exc)
-                self._results.append(("promoted", keys, frozenset()))
-                return
-            result = c.result()
-            for key, err in list(result.missing.items())[:3]:
-                log.warning("block %s not loaded from the file tier: %s", key.hex(), err)
-            self._results.append(("promoted", keys, frozenset(result.loaded)))
-
-        comp.add_done_callback(done)
-
-    def _start_write(self, keys: tuple[bytes, ...], rows: list[memoryview]) -> None:
-        assert self._file is not None
-        try:
-            comp = self._file.store(keys, rows)
-        except KVTierError as exc:
-            log.warning("file tier refused %d blocks: %s", len(keys), exc)
-            self._results.append(("written", keys, len(keys)))
-            return
-        self._post_file_events()  # the blocks this store evicted
-
-        def done(c: Completion[Any]) -> None:
-            self._post_file_events()
-            exc = c.exception()
-            failed = len(keys) if exc is not None else len(c.result().failed)
-            if exc is not None:
-                log.warning("file tier write of %d blocks failed: %s", len(keys), exc)
-            self._results.append(("written", keys, failed))
-
-        comp.add_done_callback(done)
+    def _seed(self, index: int, tier: Recovers) -> None:
+        self._loop.loop.create_task(self._seed_async(index, tier))
 
     def _write_statistics(self, force: bool = False) -> None:
         path = self._settings.statistics_file
@@ -867,6 +799,32 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             return
         self._last_stats = text
         self._loop.soon(_write_atomic, str(path), text)
+
+
+_ANSWERS = {
+    Answer.HIT: LookupResult.HIT,
+    Answer.PENDING: LookupResult.HIT_PENDING,
+    Answer.RETRY: LookupResult.RETRY,
+    Answer.MISS: LookupResult.MISS,
+}
+
+
+def _describe(tier: Tier) -> str:
+    """One line on an open tier for the start-up log: what its record says of its set-up."""
+    record = asdict(tier.statistics())  # type: ignore[call-overload]
+    shown = ("io_engine", "queue_depth", "direct_io", "capacity_bytes", "recovered_blocks")
+    return ", ".join(f"{k} {record[k]}" for k in shown if k in record) or "open"
+
+
+@dataclass(frozen=True, slots=True)
+class _TierEvents:
+    """The file tier's residency events of one operation, handed over in order with it."""
+
+    events: list[ManagerEvent]
+
+
+async def _recovered(tier: Recovers) -> list[bytes]:
+    return tier.take_recovered_keys()
 
 
 def _write_atomic(path: str, text: str) -> None:
