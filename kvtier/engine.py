@@ -42,7 +42,12 @@ from kvtier.tiers.base import LoadResult, Refreshable, StoreResult, Tier
 from kvtier.tiers.cluster import ClusterTier, ClusterTierStatistics
 from kvtier.tiers.file_tier import FileTier, FileTierStatistics
 from kvtier.transfer.completion import Completion
-from kvtier.transfer.device import DeviceTransfer, check_block_ids, open_device_transfer
+from kvtier.transfer.device import (
+    DeviceTransfer,
+    RunsNow,
+    check_block_ids,
+    open_device_transfer,
+)
 from kvtier.transfer.io_engine import IOEngine
 from kvtier.workers.group import WorkerGroup
 
@@ -59,6 +64,18 @@ BlockIds = Sequence[int] | np.ndarray | Mapping[int, Sequence[int] | np.ndarray]
 _Ids = dict[int, np.ndarray]
 """Validated device block ids, per KV group of the layout."""
 _Starter = Callable[[], Completion[None]]
+
+INLINE_COPY_BYTES = 256 << 10
+"""Copies of at most this many bytes on the CPU backend run on the event loop's
+thread instead of crossing to the copier's thread and back.
+
+The hop to the copier's thread and back costs the caller 70-100 us on the
+development VM whatever the size (two thread switches, four loop iterations),
+more than the whole work of a small request. Up to 256 KiB a copy on the loop
+blocks it for no longer than that hop takes (79 us against 79 us of hop at
+256 KiB; 110 against 80 at 1 MiB, 320 against 99 at 4 MiB):
+``benchmarks/engine_overhead.py --sweep`` measures both sides.
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +316,12 @@ class Engine:
     reuse its device blocks at once. A cancelled load leaves its device blocks
     in an unspecified state.
 
+    *Threads.* On the CPU backend a copy of at most
+    :data:`INLINE_COPY_BYTES` runs on the event loop's thread (crossing to
+    the copier's thread and back would cost more); larger ones, and every
+    CUDA copy, run on the copier's threads. Each :meth:`store` and
+    :meth:`load` lets other tasks run at least once either way.
+
     *Failures.* A failure in a tier of the chain (the file tier full, an I/O
     error, a checksum mismatch, a cluster node down, a value vanished)
     degrades to a miss or a skipped write, counted in :meth:`statistics` and
@@ -321,6 +344,14 @@ class Engine:
         self._layout = layout
         self._region = region
         self._xfer = transfer
+        # Small copies run on this thread (:meth:`_copy`). Only on the CPU
+        # backend: a CUDA copy waits for the work queued on the caller's stream
+        # (a forward pass), which must never block the loop.
+        self._run_now = (
+            transfer.run_now
+            if transfer.backend == "cpu" and isinstance(transfer, RunsNow)
+            else None
+        )
         self._cpu = ResidencyManager(region.rows, config.eviction_policy, tier="cpu")
         specs = config.chain
         if len(specs) != len(tiers):  # pragma: no cover - open builds one from the other
@@ -812,19 +843,21 @@ class Engine:
         # A key already in the CPU tier (ready or being written) needs no copy; one
         # only in a lower tier is copied anyway: it is hot now, and that tier's
         # write skips it.
+        cpu = self._cpu
         todo, present, stored = list(keys), 0, 0
-        index = {k: i for i, k in enumerate(keys)}
         stream = any(not link.tier.recovering for link in self._chain)
         while todo:
             # Looked at again each round: another store may have taken some meanwhile.
-            fresh = [k for k in todo if k not in self._cpu]
+            fresh = [k for k in todo if k not in cpu]
             present += len(todo) - len(fresh)
             todo = fresh
             if stream:
                 room = self._room()
                 plan = self._place(todo[:room]) if todo and room else None
             else:
-                plan = self._place_beside(keys, todo)
+                # None of the call's keys is in the CPU tier: none to keep.
+                own = () if len(todo) == len(keys) else keys
+                plan = self._place_beside(own, todo)
             if plan is None:
                 # Backpressure: rows held by copies, loads and file writes free up
                 # when those end; waiting beats dropping blocks that fit a moment
@@ -833,7 +866,12 @@ class Engine:
                     break
                 self._check_open()
                 continue
-            await self._copy_in(plan, _chunk_ids(ids, [index[k] for k in plan.keys], self._bpc))
+            if len(plan.keys) == len(keys):  # all of them, in call order: the ids as given
+                chosen = ids
+            else:
+                index = {k: i for i, k in enumerate(keys)}
+                chosen = _chunk_ids(ids, [index[k] for k in plan.keys], self._bpc)
+            await self._copy_in(plan, chosen)
             stored += len(plan.keys)
             placed = set(plan.keys)
             todo = [k for k in todo if k not in placed]
@@ -845,13 +883,14 @@ class Engine:
     async def _copy_in(self, plan: StorePlan, chosen: _Ids) -> None:
         """Copy device blocks into the rows of ``plan``; publish them when done."""
         job = _Job(plan.keys, Completion())
-        cancelled = [False]
+        cancelled = False
+        inflight = self._inflight
         for k in plan.keys:
-            self._inflight[k] = job
+            inflight[k] = job
         self._t_cpu.begin(True)
 
         def copied(c: Completion[None]) -> None:
-            ok = c.exception() is None and not cancelled[0]
+            ok = c.exception() is None and not cancelled
             self._t_cpu.end(True, len(plan.keys) if ok else 0, self._row_bytes)
             self._cpu.complete_store(plan.keys, ok)
             for k in plan.keys:
@@ -863,13 +902,29 @@ class Engine:
             finally:
                 self._finish(job)
 
-        copy = self._after_claim(plan, lambda: self._xfer.store(chosen, plan.slots))
+        copy = self._after_claim(plan, lambda: self._copy(True, plan.slots, chosen))
+        if copy.done():
+            # Copied on this thread (or refused at once): one turn of the loop,
+            # as a copy on the copier's thread gives, so that the call is still
+            # a point where other tasks run and a cancellation lands; a
+            # cancelled store publishes nothing, as with a copy in flight.
+            self._pending.add(job.done)
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                cancelled = True
+                raise
+            finally:
+                copied(copy)
+                self._pending.discard(job.done)
+            copy.result()  # its error, if any
+            return
         copy.add_done_callback(copied)
         self._track(job.done)
         try:
             await copy
         except asyncio.CancelledError:
-            cancelled[0] = True
+            cancelled = True
             raise
 
     def _place_beside(self, keys: Sequence[bytes], todo: list[bytes]) -> StorePlan | None:
@@ -886,6 +941,30 @@ class Engine:
         finally:
             if held:
                 self._cpu.complete_load(held)
+
+    def _copy(
+        self, store: bool, slots: Sequence[int], ids: _Ids, skip: int = 0
+    ) -> Completion[None]:
+        """Start a device copy: on this thread when it is small (done on return).
+
+        Up to :data:`INLINE_COPY_BYTES` on the CPU backend the copy runs
+        here and the completion is done when this returns; else it goes to
+        the copier's thread. Either way a refusal or a failed copy here
+        raises (callers go through :func:`_guarded`).
+        """
+        run_now = self._run_now
+        if run_now is not None and len(slots) * self._row_bytes <= INLINE_COPY_BYTES:
+            # A second copying thread beside the copier's own: the CPU
+            # copier's small requests share nothing (its helper threads serve
+            # requests of 4 MiB and more only), and this one ends before any
+            # other work of the loop starts.
+            run_now(store, slots, ids, skip)
+            done: Completion[None] = Completion()
+            done.set_result(None)
+            return done
+        if store:
+            return self._xfer.store(ids, slots)
+        return self._xfer.load(slots, ids, skip)
 
     def _room(self) -> int:
         """How many new blocks fit the CPU tier now (free or evictable rows)."""
@@ -1114,18 +1193,32 @@ class Engine:
         self._n["loads"] += 1
         if not keys:
             return 0
+        cpu, inflight = self._cpu, self._inflight
+        ready = True  # every key ready in the CPU tier (none in flight)
         for k in keys:
-            if k not in self._inflight and not self._cpu.is_ready(k) and self._tier_of(k) is None:
-                raise BlockNotFoundError(f"block {k.hex()} is in no tier")
-        self._cpu.touch(keys)
-        st = _Load({k: i for i, k in enumerate(keys)}, ids, skip, len(keys), list(keys))
+            if k in inflight:
+                ready = False
+            elif not cpu.is_ready(k):
+                ready = False
+                if self._tier_of(k) is None:
+                    raise BlockNotFoundError(f"block {k.hex()} is in no tier")
+        cpu.touch(keys)
+        index = {k: i for i, k in enumerate(keys)}
+        st = _Load(index, ids, skip, len(keys), [] if ready else list(keys))
         try:
             # The first round runs before the first await: what is ready now is
             # pinned and its copy started, so a lookup just before cannot lose it.
-            while self._load_round(st):
-                await self._load_wait(st)
-            if st.copies:
-                await _wait(st.copies)
+            if ready:
+                self._deliver(st, list(keys))  # the first round, known to start them all
+            else:
+                while self._load_round(st):
+                    await self._load_wait(st)
+            if copies := [c for c in st.copies if not c.done()]:
+                await _wait(copies)
+            else:
+                # Copied on this thread: one turn of the loop, as a copy on the
+                # copier's thread gives (other tasks run, a cancellation lands).
+                await asyncio.sleep(0)
         finally:
             for job in st.waits:
                 job.claims.remove(st)
@@ -1231,31 +1324,40 @@ class Engine:
 
     def _deliver(self, st: _Load, keys: list[bytes]) -> None:
         """Pin ready blocks of a load and start their copy; unpinned when it ends."""
-        keys.sort(key=st.index.__getitem__)
+        if len(keys) == len(st.index):  # every key of the load: its ids as given
+            keys, ids, skip = list(st.index), st.ids, st.skip
+        else:
+            keys.sort(key=st.index.__getitem__)
+            where = [st.index[k] for k in keys]
+            ids = _window_ids(st.ids, where, self._bpc, st.skip)
+            skip = st.skip if where[0] == 0 else 0
         slots = self._cpu.prepare_load(keys).slots
-        where = [st.index[k] for k in keys]
-        ids = _window_ids(st.ids, where, self._bpc, st.skip)
-        skip = st.skip if where[0] == 0 else 0
         self._t_cpu.begin(False)
-        copy = _guarded(lambda: self._xfer.load(slots, ids, skip))
-        block_bytes = self._row_bytes
+        copy = _guarded(lambda: self._copy(False, slots, ids, skip))
+        if copy.done():  # copied on this thread: unpinned before anything else runs
+            self._loaded(st, keys, copy)
+            return
         # What flush waits for: done only after the rows are unpinned, not when
         # the copy is (its done callbacks run a loop iteration later).
         settled: Completion[None] = Completion()
 
         def copied(c: Completion[None]) -> None:
             try:
-                self._cpu.complete_load(keys)
-                exc = c.exception()
-                self._t_cpu.end(False, len(keys) if exc is None else 0, block_bytes)
-                if exc is not None and st.error is None:
-                    st.error = exc
+                self._loaded(st, keys, c)
             finally:
                 settled.set_result(None)  # never leave flush waiting
 
         copy.add_done_callback(copied)
         self._track(settled)
         st.copies.append(settled)
+
+    def _loaded(self, st: _Load, keys: list[bytes], copy: Completion[None]) -> None:
+        """A copy of a load ended: unpin its rows, count it, keep its error."""
+        self._cpu.complete_load(keys)
+        exc = copy.exception()
+        self._t_cpu.end(False, len(keys) if exc is None else 0, self._row_bytes)
+        if exc is not None and st.error is None:
+            st.error = exc
 
     def _finish(self, job: _Job) -> None:
         """Hand the blocks of a finished job to the loads waiting for them; resolve it."""
