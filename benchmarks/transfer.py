@@ -7,6 +7,7 @@ Run from the repository root::
     .venv/bin/python benchmarks/transfer.py --json
     .venv/bin/python benchmarks/transfer.py --threads 1   # CPU copier without its helper
     .venv/bin/python benchmarks/transfer.py --python-loop # a slice per piece, not compiled
+    .venv/bin/python benchmarks/transfer.py --cpu-time    # one thread's CPU time, not wall
 
 The "device" is a list of 32 K/V-first fp16 tensors (one per layer) sized so
 that one offloaded block is 2 MiB, with ``blocks_per_chunk`` 1 and 4. Rows live
@@ -77,17 +78,28 @@ def _open(
 ) -> DeviceTransfer:
     if threads is None and compiled:
         return open_device_transfer(layout, kv, views, backend="cpu")
-    # The same copier with another thread count or without the compiled loop, for an A/B.
+    # The same copier with another thread count or without the compiled loop, for an A/B
+    # (``native`` passed only when off: this file also runs against older checkouts).
+    copier = CpuCopier(threads=threads) if compiled else CpuCopier(threads=threads, native=False)
     return _ThreadedTransfer(
-        layout,
-        _match_tensors(layout, kv),
-        _match_views(layout, views, torch),
-        CpuCopier(threads=threads, native=compiled),
+        layout, _match_tensors(layout, kv), _match_views(layout, views, torch), copier
     )
 
 
+def _thread_seconds(fn: Callable[[], object]) -> float:
+    t0 = time.thread_time()
+    fn()
+    return time.thread_time() - t0
+
+
 async def measure(
-    bpc: int, chunks: int, repeat: int, order: str, threads: int | None, compiled: bool = True
+    bpc: int,
+    chunks: int,
+    repeat: int,
+    order: str,
+    threads: int | None,
+    compiled: bool = True,
+    cpu_time: bool = False,
 ) -> dict[str, Any]:
     half = CHUNK // (LAYERS * 2 * bpc)  # bytes of one K (or V) half of one device block
     heads, dim = 8, half // (8 * 2)
@@ -113,9 +125,17 @@ async def measure(
         base, store, load, store_ratio, load_ratio = [], [], [], [], []
         before = xfer.statistics().copies_issued
         for i in range(repeat + 1):  # the first round warms up (threads, page tables)
-            tb = _seconds(lambda: dst[:nbytes].copy_(src[:nbytes]))
-            ts = await _aseconds(lambda: xfer.store(ids, rows))
-            tl = await _aseconds(lambda: xfer.load(rows, ids))
+            if cpu_time:
+                # One thread does all of it (torch and the copier single-threaded, the
+                # copy on the calling thread): its CPU time, not the wall clock, which
+                # on a shared machine holds whatever else ran.
+                tb = _thread_seconds(lambda: dst[:nbytes].copy_(src[:nbytes]))
+                ts = _thread_seconds(lambda: xfer.run_now(True, rows, ids))  # type: ignore[attr-defined]
+                tl = _thread_seconds(lambda: xfer.run_now(False, rows, ids))  # type: ignore[attr-defined]
+            else:
+                tb = _seconds(lambda: dst[:nbytes].copy_(src[:nbytes]))
+                ts = await _aseconds(lambda: xfer.store(ids, rows))
+                tl = await _aseconds(lambda: xfer.load(rows, ids))
             if i == 0:
                 continue
             base.append(nbytes / tb / 1e9)
@@ -156,14 +176,24 @@ async def main() -> int:
     parser.add_argument(
         "--python-loop", action="store_true", help="the CPU copier's Python loop, not compiled"
     )
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="one thread, its CPU time (for shared machines): torch and the copier single-threaded",
+    )
     args = parser.parse_args()
     chunks = 64 if args.quick else 256
     repeat = args.repeat or (3 if args.quick else 7)
+    if args.cpu_time:
+        torch.set_num_threads(1)
+        args.threads = 1
     results = []
     for bpc in (1, 4):
         for order in ("consecutive", "scattered"):
             results.append(
-                await measure(bpc, chunks, repeat, order, args.threads, not args.python_loop)
+                await measure(
+                    bpc, chunks, repeat, order, args.threads, not args.python_loop, args.cpu_time
+                )
             )
     if args.json:
         print(json.dumps(results, indent=2))
@@ -172,7 +202,8 @@ async def main() -> int:
         f"CPU backend, 2 MiB offloaded blocks, {LAYERS} K/V-first fp16 layers, "
         f"{chunks * CHUNK >> 20} MiB per measurement, median of {repeat} interleaved repeats; "
         f"torch threads {torch.get_num_threads()}, copier threads {args.threads or 'default'}, "
-        f"{'Python loop' if args.python_loop else 'compiled loop'}; "
+        f"{'Python loop' if args.python_loop else 'compiled loop'}"
+        f"{', CPU time of one thread' if args.cpu_time else ''}; "
         f"region {results[0]['backing']}"
     )
     print(
