@@ -211,6 +211,8 @@ class _Waiting:
     tier: int = -1
     """The tier it is read from; -1 while probed."""
     read: bool = False
+    issued: bool = False
+    """Its read or probe went to the driver (else it waits for a row)."""
 
 
 @dataclass(slots=True)
@@ -310,6 +312,11 @@ class Chain:
         if waiting is not None:
             if self._clock() - waiting.since < self._deadline:
                 return Answer.RETRY
+            if not waiting.issued:
+                # Never started (no row came free in time): forget it; a later
+                # lookup starts afresh.
+                del self._waiting[key]
+                self._to_read.pop(key, None)
             self._late += 1
             if not self._logged_late:
                 self._logged_late = True
@@ -394,6 +401,9 @@ class Chain:
         self._start_reads()
         for i, keys in self._to_probe.items():
             self._lower[i].counts.probes += len(keys)
+            for k in keys:
+                if (w := self._waiting.get(k)) is not None:
+                    w.issued = True
             self._intents.append(Probe(i, tuple(keys)))
         self._to_probe.clear()
         out, self._intents = self._intents, []
@@ -464,7 +474,8 @@ class Chain:
     def _start_reads(self) -> None:
         if not self._to_read:
             return
-        wanted = [(k, t) for k, t in self._to_read.items() if k not in self.cpu]
+        waiting = self._waiting
+        wanted = [(k, t) for k, t in self._to_read.items() if k not in self.cpu and k in waiting]
         self._to_read.clear()
         plan = self._place([k for k, _t in wanted]) if wanted else None
         placed = set() if plan is None else set(plan.keys)
@@ -477,6 +488,8 @@ class Chain:
         if plan is None:
             return
         tier_of = dict(wanted)
+        for k in plan.keys:
+            waiting[k].issued = True
         for i in sorted({tier_of[k] for k in plan.keys}):
             pairs = [(k, s) for k, s in zip(plan.keys, plan.slots, strict=True) if tier_of[k] == i]
             self._intents.append(Read(i, tuple(k for k, _s in pairs), tuple(s for _k, s in pairs)))

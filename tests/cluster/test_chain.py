@@ -159,12 +159,16 @@ async def test_a_lookup_past_its_deadline_is_a_miss_then_the_read_serves(tmp_pat
         await a.store(ks[:4])
         await a.store(ks[4:])
         assert a.chain.lookup(ks[0]) is Answer.RETRY
+        (read,) = a.chain.take_intents()
+        a.driver.carry_out(read)  # issued; its outcome is not handed back yet
         a.now[0] += 0.4
         assert a.chain.lookup(ks[0]) is Answer.RETRY
         a.now[0] += 0.2  # the tier has not answered in time: the request recomputes
         assert a.chain.lookup(ks[0]) is Answer.MISS
         assert a.chain.statistics().deadline_misses == 1
-        await a.step()  # the read went on; a later request gets the block
+        while not a.outcomes:
+            await asyncio.sleep(0.005)
+        a.chain.settle(a.outcomes.pop())  # the read went on; a later request gets the block
         assert a.serves(ks[0])
 
 
@@ -220,3 +224,23 @@ async def test_place_takes_the_leading_blocks_that_fit(tmp_path: Path, rows_free
             assert list(plan.keys) == ks[:rows_free]
             assert a.chain.statistics().store_refusals == 5 - rows_free
         assert np.all(np.asarray([a.chain.lookup(k) is not Answer.HIT for k in ks]))
+
+
+async def test_a_read_that_never_gets_a_row_ends_as_a_miss(tmp_path: Path) -> None:
+    async with instance(tmp_path, None, deadline=0.5) as a:
+        ks = keys(8, "norow")
+        await a.store(ks[:4])
+        await a.store(ks[4:])  # ks[:4] are on file only
+        held = a.chain.place(keys(4, "held"))  # every row being written: none to read into
+        assert held is not None
+        assert a.chain.lookup(ks[0]) is Answer.RETRY
+        await a.step()  # no row: the read is not started
+        assert a.chain.lookup(ks[0]) is Answer.RETRY
+        a.now[0] += 1.0
+        assert a.chain.lookup(ks[0]) is Answer.MISS
+        await a.step()
+        assert not a.chain.waiting  # nothing left for the front to step for
+        a.chain.stored(held.keys, False)
+        assert a.chain.lookup(ks[0]) is Answer.RETRY  # rows again: a fresh try
+        await a.step()
+        assert a.serves(ks[0])
