@@ -85,8 +85,8 @@ RECOVERY_STATES = ("running", "complete", "failed")
 Kind = Literal["counter", "gauge", "histogram"]
 Front = Literal["engine", "vllm"]
 
-Samples = dict[str, dict[tuple[str, ...], float]]
-"""Metric name -> label values (``tier`` first, where it has one) -> value."""
+Samples = dict[tuple[str, tuple[str, ...]], float]
+"""(metric name, label values: ``tier`` first where it has one) -> value."""
 
 _BOTH: tuple[Front, ...] = ("engine", "vllm")
 
@@ -340,6 +340,7 @@ def tier_metrics(
     row_bytes: int,
     read_failures: int | None = None,
     write_failures: int | None = None,
+    store_refusals: int | None = None,
 ) -> TierMetrics:
     """One tier's figures from its own statistics and what the front counted for it.
 
@@ -355,6 +356,8 @@ def tier_metrics(
     read_failures, write_failures
         A lower tier's failed reads and writes as the front counted them;
         None takes the tier's own (``misses``, ``store_failures``).
+    store_refusals
+        The CPU tier's refused blocks, as the front counted them.
 
     Notes
     -----
@@ -362,6 +365,8 @@ def tier_metrics(
     same under every front; the CPU tier's are the front's (the residency
     manager moves no bytes).
     """
+    # One constructor call per tier (no dataclasses.replace): the vLLM front
+    # builds these at every scheduler step.
     if isinstance(own, ManagerStatistics):
         return TierMetrics(
             lookup_hits_total=counted.lookup_hits,
@@ -369,26 +374,26 @@ def tier_metrics(
             read_bytes_total=counted.blocks_out * row_bytes,
             written_blocks_total=counted.blocks_in,
             written_bytes_total=counted.blocks_in * row_bytes,
+            store_refusals_total=store_refusals,
             evictions_total=own.evictions,
             resident_blocks=own.used,
             pinned_blocks=own.pinned,
             used_bytes=own.used * row_bytes,
             capacity_bytes=own.capacity * row_bytes,
         )
-    figures = TierMetrics(
-        lookup_hits_total=counted.lookup_hits,
-        read_blocks_total=own.hits,
-        read_bytes_total=own.bytes_read,
-        written_blocks_total=own.stores,
-        written_bytes_total=own.bytes_written,
-        promotions_total=counted.blocks_out,
-        promotion_failures_total=own.misses if read_failures is None else read_failures,
-        write_failures_total=own.store_failures if write_failures is None else write_failures,
-        resident_blocks=own.blocks,
-    )
+    figures: dict[str, Any] = {
+        "lookup_hits_total": counted.lookup_hits,
+        "read_blocks_total": own.hits,
+        "read_bytes_total": own.bytes_read,
+        "written_blocks_total": own.stores,
+        "written_bytes_total": own.bytes_written,
+        "promotions_total": counted.blocks_out,
+        "promotion_failures_total": own.misses if read_failures is None else read_failures,
+        "write_failures_total": own.store_failures if write_failures is None else write_failures,
+        "resident_blocks": own.blocks,
+    }
     if isinstance(own, FileTierStatistics):
-        return replace(
-            figures,
+        figures.update(
             # Every block failing verification has its slot quarantined.
             integrity_failures_total=own.quarantined,
             quarantined_blocks_total=own.quarantined,
@@ -400,13 +405,12 @@ def tier_metrics(
             recovery_seconds=own.recovery_seconds,
             recovery_state=own.recovery,
         )
-    if isinstance(own, ClusterTierStatistics):
-        return replace(
-            figures,
+    elif isinstance(own, ClusterTierStatistics):
+        figures.update(
             integrity_failures_total=own.verification_failures,
             vanished_blocks_total=own.vanished,
         )
-    return figures
+    return TierMetrics(**figures)
 
 
 def engine_tiers(stats: EngineStatistics, row_bytes: int) -> dict[str, TierMetrics]:
@@ -431,40 +435,51 @@ def engine_tiers(stats: EngineStatistics, row_bytes: int) -> dict[str, TierMetri
     for name, own, traffic in chain:
         if own is None or traffic is None:
             continue
+        refusals = stats.dropped if name == "cpu" else None
         out[name] = replace(
-            tier_metrics(own, traffic, row_bytes=row_bytes),
+            tier_metrics(own, traffic, row_bytes=row_bytes, store_refusals=refusals),
             read_busy_seconds_total=traffic.seconds_out,
             write_busy_seconds_total=traffic.seconds_in,
         )
-    out["cpu"] = replace(out["cpu"], store_refusals_total=stats.dropped)
     return out
 
 
+_TIER_FIELDS = tuple(
+    (spec.name, f.name) for spec, f in zip(TIER_METRICS, fields(TierMetrics), strict=True)
+)
+
+
 def samples(tiers: Mapping[str, TierMetrics], extra: Samples | None = None) -> Samples:
-    """Every figure of ``tiers`` (tier name -> its figures) as samples, with ``extra``.
+    """Every figure of ``tiers`` (tier name -> its figures) as samples, after ``extra``.
 
     Fields that are None give no sample; ``recovery_state`` gives one sample per
     state in :data:`RECOVERY_STATES`. ``extra`` holds the metrics without a
     ``tier`` label (``kvtier_lookups_total``...).
     """
-    out: Samples = dict(extra or {})
+    out: Samples = dict(extra) if extra else {}
     for tier, figures in tiers.items():
-        for spec, f in zip(TIER_METRICS, fields(TierMetrics), strict=True):
-            value = getattr(figures, f.name)
+        label = (tier,)
+        for name, field in _TIER_FIELDS:
+            value = getattr(figures, field)
             if value is None:
                 continue
-            series = out.setdefault(spec.name, {})
             if isinstance(value, str):
                 for state in RECOVERY_STATES:
-                    series[(tier, state)] = float(state == value)
+                    out[(name, (tier, state))] = float(state == value)
             else:
-                series[(tier,)] = value
+                out[(name, label)] = value
     return out
 
 
 def as_json(values: Samples) -> dict[str, dict[str, float]]:
-    """``values`` for a JSON file: label values joined by commas (``"file,complete"``, ``""``)."""
-    return {name: {",".join(k): v for k, v in series.items()} for name, series in values.items()}
+    """``values`` for a JSON file, by metric name then label values joined by commas.
+
+    ``{"kvtier_lookup_hits_total": {"cpu": 12}, "kvtier_lookups_total": {"": 20}}``.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for (name, labels), value in values.items():
+        out.setdefault(name, {})[",".join(labels)] = value
+    return out
 
 
 def engine_samples(stats: EngineStatistics, row_bytes: int) -> Samples:
@@ -472,8 +487,8 @@ def engine_samples(stats: EngineStatistics, row_bytes: int) -> Samples:
     return samples(
         engine_tiers(stats, row_bytes),
         {
-            LOOKUPS.name: {(): stats.lookups},
-            LOAD_SHORTFALLS.name: {(): stats.load_shortfalls},
+            (LOOKUPS.name, ()): stats.lookups,
+            (LOAD_SHORTFALLS.name, ()): stats.load_shortfalls,
         },
     )
 
@@ -526,7 +541,7 @@ class DeltaReporter:
     """
 
     def __init__(self, limit: int = 1 << 16) -> None:
-        self._last: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._last: Samples = {}
         self._started: dict[Hashable, float] = {}
         self._limit = limit
         self._durations: collections.deque[tuple[str, str, float]] = collections.deque(maxlen=limit)
@@ -546,21 +561,19 @@ class DeltaReporter:
     def report(self, values: Samples, sink: StatsSink) -> None:
         """Send what changed in ``values`` since the last call, and the durations since."""
         last = self._last
-        for name, series in values.items():
-            counter = _KIND[name] == "counter"
-            for labels, value in series.items():
-                key = (name, labels)
-                before = last.get(key)
-                if before == value:
-                    continue
-                last[key] = value
-                if not counter:
-                    sink.set_gauge(name, value, labels)
-                elif before is None or value < before:
-                    # Zero too, the first time: the series exists before its first event.
-                    sink.increase_counter(name, value, labels)
-                else:
-                    sink.increase_counter(name, value - before, labels)
+        for key, value in values.items():
+            before = last.get(key)
+            if before == value:
+                continue
+            last[key] = value
+            name, labels = key
+            if _KIND[name] != "counter":
+                sink.set_gauge(name, value, labels)
+            elif before is None or value < before:
+                # Zero too, the first time: the series exists before its first event.
+                sink.increase_counter(name, value, labels)
+            else:
+                sink.increase_counter(name, value - before, labels)
         durations = self._durations
         while durations:
             name, tier, seconds = durations.popleft()
@@ -665,13 +678,13 @@ class KVTierCollector:
     def _families(values: Samples) -> list[Metric]:
         core = _prometheus().core
         kinds = {"counter": core.CounterMetricFamily, "gauge": core.GaugeMetricFamily}
-        out: list[Metric] = []
-        for spec in _ENGINE_METRICS:
-            family = kinds[spec.kind](spec.name, spec.documentation, labels=spec.labelnames)
-            for labels, value in values.get(spec.name, {}).items():
-                family.add_metric(list(labels), value)
-            out.append(family)
-        return out
+        families = {
+            spec.name: kinds[spec.kind](spec.name, spec.documentation, labels=spec.labelnames)
+            for spec in _ENGINE_METRICS
+        }
+        for (name, labels), value in values.items():
+            families[name].add_metric(list(labels), value)
+        return list(families.values())
 
 
 def register_engine_metrics(

@@ -209,12 +209,12 @@ def test_delta_reporter_sends_increases_and_changed_gauges() -> None:
     hits, used = "kvtier_lookup_hits_total", "kvtier_used_bytes"
     first, second, third = Recorded(), Recorded(), Recorded()
     failures = "kvtier_write_failures_total"
-    reporter.report({hits: {("cpu",): 3}, used: {("cpu",): 100}, failures: {("file",): 0}}, first)
+    reporter.report({(hits, ("cpu",)): 3, (used, ("cpu",)): 100, (failures, ("file",)): 0}, first)
     reporter.began("job")
     reporter.ended("job", READ_DURATION, "file")
     reporter.ended("never began", READ_DURATION, "file")
-    reporter.report({hits: {("cpu",): 5}, used: {("cpu",): 100}}, second)
-    reporter.report({hits: {("cpu",): 1}, used: {("cpu",): 50}}, third)  # reset below the last
+    reporter.report({(hits, ("cpu",)): 5, (used, ("cpu",)): 100}, second)
+    reporter.report({(hits, ("cpu",)): 1, (used, ("cpu",)): 50}, third)  # reset below the last
     assert first.calls == [
         ("counter", hits, 3, ("cpu",)),
         ("gauge", used, 100, ("cpu",)),

@@ -75,6 +75,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # type: ignore[import-not-found]
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
@@ -83,8 +86,12 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
     Locality,
     LookupResult,
     Medium,
+    OffloadingCounterMetadata,
     OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
     OffloadingManager,
+    OffloadingMetricMetadata,
     OffloadingSpec,
     OffloadingWorker,
     OffloadKey,
@@ -95,13 +102,40 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 )
 from vllm.v1.kv_offload.config import OffloadingConfig  # type: ignore[import-not-found]
 
-from kvtier.chain import Answer, Chain, Intent, LowerTier, Outcome, ReadDone, TierChanged
+from kvtier.chain import (
+    Answer,
+    Chain,
+    Intent,
+    LowerTier,
+    Outcome,
+    Read,
+    ReadDone,
+    TierChanged,
+    Write,
+    Written,
+)
 from kvtier.config import KVTierConfig
 from kvtier.errors import BusyError, ConfigurationError, LayoutError
 from kvtier.integrations.vllm.identity import model_identity
 from kvtier.integrations.vllm.settings import VLLMSettings, parse_extra_config
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.manager import BlockRemoved, ManagerEvent, ResidencyManager
+from kvtier.metrics import (
+    DEADLINE_MISSES,
+    EVENTS_DROPPED,
+    EVENTS_PUBLISHED,
+    LOOKUPS,
+    METRICS,
+    READ_DURATION,
+    WRITE_DURATION,
+    DeltaReporter,
+    MetricSpec,
+    Samples,
+    TierMetrics,
+    as_json,
+    samples,
+    tier_metrics,
+)
 from kvtier.region import CPURegion
 from kvtier.tier_driver import TierDriver
 from kvtier.tiers.base import Announces, Recovers, Tier
@@ -374,6 +408,19 @@ class KVTierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
             alignment=cfg.row_alignment,
         )
 
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        """kvtier's metrics (:mod:`kvtier.metrics`, those of the vLLM front), in vLLM's terms.
+
+        vLLM's front-end process creates each under the name given (no
+        ``vllm:`` prefix is added) with its ``model_name`` and ``engine``
+        labels before kvtier's own (``tier``); the manager's :meth:`get_stats
+        <KVTierOffloadingManager.get_stats>` reports their values.
+        """
+        return {spec.name: _metadata(spec) for spec in METRICS if "vllm" in spec.fronts}
+
     def get_manager(self) -> KVTierOffloadingManager:
         """The scheduler side (EngineCore process): residency, file tier."""
         if self._manager is None:
@@ -392,6 +439,14 @@ class KVTierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
                 self.layout, self._region(self.config.parallel.rank), kv_caches
             )
         return self._worker
+
+
+def _metadata(spec: MetricSpec) -> OffloadingMetricMetadata:
+    if spec.kind == "counter":
+        return OffloadingCounterMetadata(spec.documentation, spec.labelnames)
+    if spec.kind == "gauge":
+        return OffloadingGaugeMetadata(spec.documentation, spec.labelnames)
+    return OffloadingHistogramMetadata(spec.documentation, spec.labelnames, spec.buckets)
 
 
 class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
@@ -459,8 +514,15 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             ("stores", "loads", "loaded_blocks", "events_published", "events_dropped"), 0
         )
         self._last_stats = ""
+        # kvtier's metrics for vLLM (get_stats): totals turned into increases,
+        # and how long each tier's jobs took.
+        self._reporter = DeltaReporter()
+        self._row_bytes = region.slice_bytes * region.world_size
+        # Whether a figure may have changed since the last get_stats: most
+        # steps (decoding) change none, and then cost no snapshot at all.
+        self._changed = True
         self._driver = TierDriver(
-            tiers, self._tier_names, region, self._outcomes.append, self._after_tier_call
+            tiers, self._tier_names, region, self._post_outcome, self._after_tier_call
         )
         for i, tier in enumerate(tiers):
             if not isinstance(tier, Recovers):
@@ -517,6 +579,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._drain()
         k = self._key(key)
+        self._changed = True
         answer = self._chain.lookup(k)
         if answer is Answer.RETRY:
             self._names[k] = key  # announced in the CPU tier once promoted
@@ -526,6 +589,8 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._drain()
         ks = [self._key(k) for k in keys]
         slots = self._chain.pin_for_device_load(ks)
+        self._reporter.began((False, frozenset(ks)))
+        self._changed = True
         self._n["loads"] += 1
         self._n["loaded_blocks"] += len(ks)
         return RowsSpec(list(slots))
@@ -534,13 +599,17 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._chain.touch([self._key(x) for x in keys])
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self._chain.unpin_device_load([self._key(k) for k in keys])
+        ks = [self._key(k) for k in keys]
+        self._chain.unpin_device_load(ks)
+        self._reporter.ended((False, frozenset(ks)), READ_DURATION, "cpu")
+        self._changed = True
         self._drain()
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         self._drain()
+        self._changed = True
         cpu = self._chain.cpu
         todo: dict[bytes, OffloadKey] = {}
         for key in keys:
@@ -559,6 +628,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             # stored; vLLM does not offer this request's others again.
             self._refused(len(todo) - len(plan.keys), len(todo))
         self._n["stores"] += len(plan.keys)
+        self._reporter.began((True, frozenset(plan.keys)))
         for k in plan.keys:
             self._names[k] = todo[k]
         self._pull_cpu_events()  # the evictions' names are needed, then forgotten
@@ -574,8 +644,11 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         ks = [self._key(k) for k in keys]
+        self._changed = True
         self._chain.stored(ks, success)
-        if not success:
+        if success:
+            self._reporter.ended((True, frozenset(ks)), WRITE_DURATION, "cpu")
+        else:
             self._forget(ks)
         self._dispatch()  # write-through starts now, not at the end of the step
         self._drain()
@@ -606,8 +679,26 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._event_keys = 0
         return out
 
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """kvtier's metrics since the last call, for vLLM's /metrics (see :mod:`kvtier.metrics`).
+
+        vLLM's scheduler calls it at every step and sends what it returns to
+        its front-end process, which adds each counter's value to its
+        Prometheus counter, sets each gauge and observes each duration: so
+        counters are reported as their increase since the last call, gauges
+        when they changed, and None when nothing did.
+        """
+        self._drain()
+        if not self._changed:
+            return None
+        self._changed = False
+        stats = OffloadingConnectorStats()
+        self._reporter.report(self._metrics(), stats)
+        return None if stats.is_empty() else stats
+
     def reset_cache(self) -> None:
         self._drain()
+        self._changed = True
         try:
             self._chain.cpu.reset()
         except BusyError:
@@ -647,7 +738,9 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         ``tiers`` maps each tier's name (``cpu``, then the lower tiers in
         order) to the chain's counts for it; ``cpu`` and each lower tier's
         name (``file``, ``cluster``) to that tier's own record. The flat
-        counters keep their names of earlier releases.
+        counters keep their names of earlier releases. ``metrics`` holds the
+        totals of kvtier's Prometheus metrics under their names (metric name,
+        then label values joined by commas: see :func:`kvtier.metrics.as_json`).
         """
         chain = self._chain.statistics()
         lower = [chain.tiers[name] for name in self._tier_names]
@@ -664,6 +757,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             rows_held_by_writes=chain.rows_held_by_writes,
             tiers={name: asdict(counts) for name, counts in chain.tiers.items()},
             cpu=asdict(self._chain.cpu.statistics()),
+            metrics=as_json(self._metrics()),
         )
         out["file"] = None
         for name, tier in zip(self._tier_names, self._tiers, strict=True):
@@ -671,6 +765,39 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             # atomically under the GIL; the record as a whole may be a step stale.
             out[name] = asdict(tier.statistics())  # type: ignore[call-overload]
         return out
+
+    def _metrics(self) -> Samples:
+        """Every metric of this front now, as totals (docs/operations.md, "Metrics")."""
+        chain = self._chain.statistics()
+        counts = chain.tiers
+        tiers: dict[str, TierMetrics] = {
+            "cpu": tier_metrics(
+                self._chain.cpu.statistics(),
+                counts["cpu"],
+                row_bytes=self._row_bytes,
+                store_refusals=chain.store_refusals,
+            )
+        }
+        for name, tier in zip(self._tier_names, self._tiers, strict=True):
+            # A record of counters the loop thread updates, read from this one as
+            # statistics() does: each field atomically under the GIL.
+            c = counts[name]
+            tiers[name] = tier_metrics(
+                tier.statistics(),
+                c,
+                row_bytes=self._row_bytes,
+                read_failures=c.read_failures,
+                write_failures=c.write_failures,
+            )
+        return samples(
+            tiers,
+            {
+                (LOOKUPS.name, ()): chain.lookups,
+                (DEADLINE_MISSES.name, ()): chain.deadline_misses,
+                (EVENTS_PUBLISHED.name, ()): self._n["events_published"],
+                (EVENTS_DROPPED.name, ()): self._n["events_dropped"],
+            },
+        )
 
     def _key(self, key: OffloadKey) -> bytes:
         return offload_key_to_kvtier(bytes(key), self._ns)
@@ -761,6 +888,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         outcomes, chain = self._outcomes, self._chain
         while outcomes:
             item = outcomes.popleft()
+            self._changed = True
             if isinstance(item, _TierEvents):
                 self._translate(item.events, Medium.STORAGE)
                 continue
@@ -773,7 +901,16 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def _carry_out(self, intents: list[Intent]) -> None:
         for intent in intents:
+            if isinstance(intent, Write | Read):  # timed until their outcome is posted
+                self._reporter.began(id(intent))
             self._driver.carry_out(intent)
+
+    def _post_outcome(self, outcome: Outcome) -> None:
+        if isinstance(outcome, Written | ReadDone):
+            metric = WRITE_DURATION if isinstance(outcome, Written) else READ_DURATION
+            name = self._tier_names[outcome.intent.tier]
+            self._reporter.ended(id(outcome.intent), metric, name)
+        self._outcomes.append(outcome)
 
     def _after_tier_call(self, index: int) -> None:
         # The file tier's residency belongs to this thread: its events are taken
