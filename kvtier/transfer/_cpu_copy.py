@@ -32,12 +32,12 @@ class CpuCopier(_Copier):
     """Copies with memcpy on the worker thread, and on helper threads when large.
 
     The compiled loop (``kvtier.transfer._copy.copy_host``) runs a request's
-    pieces without the GIL at what memcpy costs per piece; one numpy
-    assignment per piece, the loop used where it is not built (or with
-    ``native=False``), costs about 4.6 us of Python per piece, which is what
-    held scattered block ids to 0.26-0.71x a contiguous copy. For a request of
-    at least ``split_bytes``, helper threads (one per direction by default)
-    each copy an equal share of its bytes while the worker copies the first.
+    pieces without the GIL at what memcpy costs per piece; the Python loop,
+    used where it is not built (or with ``native=False``), costs a few
+    microseconds per piece (the numpy copies per strided run it replaced held
+    scattered block ids to 0.26-0.71x a contiguous copy). For a request of at
+    least ``split_bytes``, helper threads (one per direction by default) each
+    copy an equal share of its bytes while the worker copies the first.
     """
 
     name = "cpu"

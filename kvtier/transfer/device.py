@@ -9,34 +9,32 @@ their arguments at once, on the caller's thread, and return a
 have really moved.
 
 Two backends share one design, a worker thread per direction that plans and
-issues the copies, so the event loop never waits on a copy:
+issues the copies, so the event loop never waits on a copy. A request is
+planned once, with numpy, for either backend (:class:`~kvtier.transfer._copier.CopyPlan`):
+every piece contiguous on both sides (a K or V half of sub-blocks consecutive
+in one row and on the device), counted in units that the tensors of one KV
+group and kind share, so there are as many piece lists as (group, kind)
+pairs, not as tensors; sources in address order. The compiled module
+``kvtier.transfer._copy`` runs a plan in one call (a Python loop where it is
+not built):
 
 ``cpu``
-    The "device" tensors are CPU tensors; the worker copies through numpy
-    views of the same memory (a strided copy that releases the GIL), with a
-    helper thread per direction copying one tensor's pieces while the worker
-    builds the next tensor's for requests of 4 MiB or more, and resolves the
-    completion.
+    The "device" tensors are CPU tensors; ``memcpy`` without the GIL
+    (non-temporal stores for requests of 4 MiB or more), a request of 4 MiB
+    or more shared by bytes with a helper thread per direction.
 ``cuda``
-    The worker issues ``non_blocking`` copies on a dedicated stream per
-    direction, each contiguous on both sides so that it is one
-    ``cudaMemcpyAsync`` to or from the pinned region, and records a CUDA
-    event; a waiter thread per direction blocks in ``Event.synchronize`` and
-    then resolves the completion. A store's stream first waits on an event
-    recorded on the caller's current stream at submit time, so the model's
-    writes to those blocks are finished before they are read; a load's stream
-    waits on it too, so work queued before the load that still reads the
-    blocks it overwrites goes first. A blocked
-    waiter thread costs no CPU and no polling latency, keeps the loop free,
-    and lets the worker issue the next request while the copy engine is still
-    busy (measure with ``benchmarks/transfer.py`` on a GPU machine).
-
-Index arithmetic is vectorized with numpy: the request's sub-blocks are cut
-into runs where both the device ids and the host positions are consecutive,
-and each run becomes at most three strided copies per tensor (a partial first
-row, whole rows, a partial last row), whatever the number of blocks in it. The
-CUDA backend cuts those further into pieces contiguous on both sides (a K or V
-half, one row: host rows are strided), since only those are single DMA copies.
+    On a dedicated stream per direction: requests of small pieces gather
+    whole rows through device staging buffers (one DMA per row), others go
+    as they are in ``cudaMemcpyBatchAsync`` calls (:mod:`kvtier.transfer._cuda_copy`);
+    a CUDA event marks the end, and a waiter thread per direction blocks in
+    ``Event.synchronize`` and then resolves the completion. A store's stream
+    first waits on an event recorded on the caller's current stream at submit
+    time, so the model's writes to those blocks are finished before they are
+    read; a load's stream waits on it too, so work queued before the load
+    that still reads the blocks it overwrites goes first. A blocked waiter
+    thread costs no CPU and no polling latency, keeps the loop free, and lets
+    the worker issue the next request while the copy engine is still busy
+    (docs/lab/gpu.md has the figures).
 
 The backends are :mod:`kvtier.transfer._cpu_copy` and
 :mod:`kvtier.transfer._cuda_copy`; the contract they implement (``_Copier``) is
@@ -118,9 +116,9 @@ class DeviceTransfer(abc.ABC):
     blocks a load overwrites); nothing later on that stream waits for it:
     await the completion before the model reads loaded blocks.
 
-    **Pinning.** CUDA copies are ``non_blocking`` and cut into pieces
-    contiguous on both sides, which the driver moves by DMA only from and to
-    page-locked memory: give views of a pinned region
+    **Pinning.** CUDA copies are asynchronous DMAs of pieces (or whole rows)
+    contiguous on both sides, which the driver runs asynchronously only from
+    and to page-locked memory: give views of a pinned region
     (:class:`~kvtier.region.CPURegion` pins itself where CUDA is). Pageable
     rows still give the right bytes, but each copy then blocks the worker.
     """
