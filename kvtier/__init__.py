@@ -7,7 +7,7 @@ Only the names in ``__all__`` are the public API.
 from __future__ import annotations
 
 from kvtier.config import ClusterTierConfig, FileTierConfig, KVTierConfig
-from kvtier.engine import Engine, EngineStatistics, StoreSummary, TierCounters
+from kvtier.engine import Engine, EngineStatistics, StoreSummary, TierCounters, TierReport
 from kvtier.errors import (
     AlignmentError,
     BlockNotFoundError,
@@ -60,6 +60,7 @@ __all__ = [
     "TensorSpec",
     "TierCounters",
     "TierIOError",
+    "TierReport",
     "TransferError",
     "Worker",
     "WorkerError",

@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Literal, Self
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Literal, Self, cast
 
 import numpy as np
 
@@ -38,8 +39,8 @@ from kvtier.keys import check_keys
 from kvtier.layout import KVLayout
 from kvtier.manager import ManagerStatistics, ResidencyManager, StorePlan
 from kvtier.region import CPURegion
-from kvtier.tiers.base import LoadResult, Refreshable, StoreResult, Tier
-from kvtier.tiers.cluster import ClusterTier, ClusterTierStatistics
+from kvtier.tiers.base import LoadResult, Refreshable, StoreResult, Tier, TierStatistics
+from kvtier.tiers.cluster import ClusterTierStatistics
 from kvtier.tiers.file_tier import FileTier, FileTierStatistics
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.device import (
@@ -132,8 +133,30 @@ class TierCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class TierReport:
+    """One tier of the chain in :attr:`EngineStatistics.tiers`: its own record and its traffic."""
+
+    statistics: TierStatistics | ManagerStatistics
+    """The tier's own statistics record (the CPU tier's residency manager's;
+    the file tier's :class:`FileTierStatistics`; the cluster tier's
+    :class:`ClusterTierStatistics`)."""
+    traffic: TierCounters
+    """What requests got from it, and what moved through it, as the engine saw it."""
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStatistics:
-    """A snapshot of every tier and of the engine's own counters."""
+    """A snapshot of every tier and of the engine's own counters.
+
+    :attr:`tiers` is the record of every tier by name (``cpu``, then the
+    chain's tiers in order): the way to read a tier, whatever tiers the chain
+    has. ``cpu_traffic``, ``file``, ``file_traffic``, ``cluster`` and
+    ``cluster_traffic`` are the same records under fixed names, kept for
+    code written before :attr:`tiers` (deprecated: they go in a later release).
+    """
+
+    tiers: Mapping[str, TierReport]
+    """Every tier's record and traffic, by name, highest tier first."""
 
     cpu: ManagerStatistics
     """Residency of the CPU region: capacity and usage in rows (= blocks), blocks
@@ -1444,20 +1467,19 @@ class Engine:
     def statistics(self) -> EngineStatistics:
         """A consistent snapshot of every tier's state and traffic."""
         n = self._n
-        file_stats = cluster_stats = None
-        file_traffic = cluster_traffic = None
-        for link in self._chain:
-            if isinstance(link.tier, FileTier):
-                file_stats, file_traffic = link.tier.statistics(), link.traffic.freeze()
-            elif isinstance(link.tier, ClusterTier):
-                cluster_stats, cluster_traffic = link.tier.statistics(), link.traffic.freeze()
+        cpu = TierReport(self._cpu.statistics(), self._t_cpu.freeze())
+        tiers: dict[str, TierReport] = {"cpu": cpu}
+        for link in self._chain:  # by name: each tier reports its own record
+            tiers[link.name] = TierReport(link.tier.statistics(), link.traffic.freeze())
+        file, cluster = tiers.get("file"), tiers.get("cluster")
         return EngineStatistics(
+            tiers=MappingProxyType(tiers),
             cpu=self._cpu.statistics(),
-            cpu_traffic=self._t_cpu.freeze(),
-            file=file_stats,
-            file_traffic=file_traffic,
-            cluster=cluster_stats,
-            cluster_traffic=cluster_traffic,
+            cpu_traffic=cpu.traffic,
+            file=cast("FileTierStatistics", file.statistics) if file else None,
+            file_traffic=file.traffic if file else None,
+            cluster=cast("ClusterTierStatistics", cluster.statistics) if cluster else None,
+            cluster_traffic=cluster.traffic if cluster else None,
             lookups=n["lookups"],
             lookup_misses=n["lookup_misses"],
             stores=n["stores"],

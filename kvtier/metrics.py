@@ -416,8 +416,7 @@ def tier_metrics(
 def engine_tiers(stats: EngineStatistics, row_bytes: int) -> dict[str, TierMetrics]:
     """Each tier of an engine's chain (CPU first) and its figures.
 
-    The one place that knows where :class:`~kvtier.EngineStatistics` keeps
-    each tier's records.
+    Every tier of :attr:`~kvtier.EngineStatistics.tiers`, by its name.
 
     Parameters
     ----------
@@ -426,15 +425,9 @@ def engine_tiers(stats: EngineStatistics, row_bytes: int) -> dict[str, TierMetri
     row_bytes
         Payload bytes of one CPU row (``layout.bytes_per_chunk * world_size``).
     """
-    chain = (
-        ("cpu", stats.cpu, stats.cpu_traffic),
-        ("file", stats.file, stats.file_traffic),
-        ("cluster", stats.cluster, stats.cluster_traffic),
-    )
     out: dict[str, TierMetrics] = {}
-    for name, own, traffic in chain:
-        if own is None or traffic is None:
-            continue
+    for name, report in stats.tiers.items():
+        own, traffic = report.statistics, report.traffic
         refusals = stats.dropped if name == "cpu" else None
         out[name] = replace(
             tier_metrics(own, traffic, row_bytes=row_bytes, store_refusals=refusals),

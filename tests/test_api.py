@@ -29,6 +29,7 @@ PUBLIC = {
     "TensorSpec",
     "TierCounters",
     "TierIOError",
+    "TierReport",
     "TransferError",
     "Worker",
     "WorkerError",

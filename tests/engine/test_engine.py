@@ -671,3 +671,20 @@ async def test_statistics_give_each_figure_one_meaning(tmp_path: Path) -> None:
         assert st.cpu_traffic.bytes_out == 4 * engine.layout.bytes_per_chunk
         assert st.file_traffic.bytes_out == 4 * row
         assert st.promotions == 4
+
+
+async def test_statistics_report_every_tier_by_name(tmp_path: Path) -> None:
+    """One record per tier, by name, highest first; the fixed names are the same records."""
+    async with engine_for(tmp_path, cpu_rows=4) as (engine, kv):
+        fill(kv, [0, 1, 2], seed=7)
+        await engine.store(keys_for(engine, 3), [0, 1, 2])
+        await engine.flush()
+        st = engine.statistics()
+    assert list(st.tiers) == ["cpu", "file"]
+    assert st.tiers["cpu"].statistics == st.cpu
+    assert st.tiers["cpu"].traffic.blocks_in == 3
+    assert st.tiers["file"].statistics == st.file
+    assert st.tiers["file"].traffic == st.file_traffic
+    assert st.tiers["file"].traffic.blocks_in == 3
+    assert st.cluster is None
+    assert st.cluster_traffic is None
