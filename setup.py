@@ -4,6 +4,9 @@
 * kvtier.transfer._address: buffer addresses for I/O requests;
 * kvtier.transfer._copy: the device transfers' copy loops (memcpy, and CUDA's
   runtime loaded at run time, so it builds without CUDA);
+* kvtier.transfer._gather: a CUDA kernel that copies a table of pieces in one
+  launch, compiled at run time by NVRTC and launched through the driver (both
+  loaded at run time: it builds without CUDA too);
 * kvtier.tiers._blocks: the file tier's block headers and XXH3 checksums
   (xxHash vendored as one header under kvtier/tiers/_xxhash/).
 
@@ -35,6 +38,13 @@ setup(
         Extension(
             "kvtier.transfer._copy",
             sources=["kvtier/transfer/_copy.c"],
+            extra_compile_args=["-O2", "-std=gnu11"],
+            libraries=["dl"],
+            optional=True,
+        ),
+        Extension(
+            "kvtier.transfer._gather",
+            sources=["kvtier/transfer/_gather.c"],
             extra_compile_args=["-O2", "-std=gnu11"],
             libraries=["dl"],
             optional=True,

@@ -11,7 +11,10 @@ CUDA, which says it was skipped, and why, where there is no CUDA device:
 
 ``env``
     What is here: Python, torch and its CUDA, the card, the compiled modules,
-    the packages kvtier imports. Fails when kvtier itself cannot be imported.
+    the packages kvtier imports, the gather kernel compiled by NVRTC (its
+    log where it does not compile: a failure, and the other sections go on,
+    gathering with the indexing kernels). Fails when kvtier itself cannot be
+    imported.
 ``sweep``
     Device <-> CPU-region copies over private and shared regions, consecutive
     and scattered ids, ``blocks_per_chunk`` 1 and 4, a skip into the first
@@ -21,7 +24,9 @@ CUDA, which says it was skipped, and why, where there is no CUDA device:
     plain-Python reference of the row layout. On CPU the candidates are the
     CPU backend's Python loop and the CUDA backend's fallback (a
     ``Tensor.copy_`` per piece) on CPU tensors; on CUDA, the CUDA backend in
-    each mode (``batch``, ``loop``, ``torch``).
+    each mode (``batch``, ``loop``, ``gather`` through the indexing kernels
+    and through the compiled gather kernel, each also a round per row,
+    ``torch``).
 ``engine``
     An :class:`~kvtier.engine.Engine` end to end through a CPU tier smaller
     than the data and a file tier: store, flush, load everything back.
@@ -144,6 +149,7 @@ def check_env(rep: Report) -> bool:
         "kvtier.manager._native",
         "kvtier.transfer._address",
         "kvtier.transfer._copy",
+        "kvtier.transfer._gather",
         "kvtier.tiers._blocks",
     ):
         try:
@@ -185,7 +191,49 @@ def check_env(rep: Report) -> bool:
                 print(f"  {'batch symbols':<18} {' '.join(names) or 'none'}")
     else:
         rep.skip("CUDA runtime", NO_CUDA)
+    _check_gather_kernel(rep, info)
     return True
+
+
+def _check_gather_kernel(rep: Report, info: dict[str, Any]) -> None:
+    """Compile and load the gather kernel (on CUDA), or compile it alone (NVRTC, no GPU)."""
+    from kvtier.errors import ConfigurationError
+    from kvtier.transfer._cuda_copy import gather_native, load_gather_kernel, nvrtc_candidates
+
+    if gather_native is None:
+        rep.fail("gather kernel", "kvtier.transfer._gather is not built")
+        return
+    if CUDA:
+        try:
+            built = load_gather_kernel(torch.cuda.current_device())
+        except ConfigurationError as exc:
+            # The whole message: NVRTC's log is in it. The sweep and bench go on, the
+            # kernel's modes gathering with the indexing kernels.
+            info["gather_kernel"] = f"unavailable: {exc}"
+            rep.fail("gather kernel", str(exc))
+        else:
+            info["gather_kernel"] = {"built": built, **gather_native.status()}
+            rep.ok("gather kernel", built)
+        return
+    errors = []
+    for path in nvrtc_candidates():
+        try:
+            version = gather_native.load_nvrtc(path)
+        except OSError as exc:
+            errors.append(str(exc))
+            continue
+        try:
+            size = len(gather_native.compile(90))
+        except RuntimeError as exc:
+            info["gather_kernel"] = f"does not compile: {exc}"
+            rep.fail("gather kernel (NVRTC alone)", str(exc))
+        else:
+            info["gather_kernel"] = f"compiles for sm_90 ({size} bytes) with NVRTC {version}"
+            rep.ok("gather kernel (NVRTC alone)", f"{info['gather_kernel']} at {path}")
+        return
+    # Not a skip of its own: without CUDA, "CUDA runtime" above says the CUDA parts are.
+    info["gather_kernel"] = "no NVRTC"
+    print(f"  -        gather kernel not compiled: no NVRTC loads ({'; '.join(errors[-2:])})")
 
 
 # -- shared helpers -------------------------------------------------------------------
@@ -250,6 +298,10 @@ def _transfer(layout: Any, kv: list[torch.Tensor], views: list[torch.Tensor], ho
             copier: Any = CudaCopier(kv[0].device, mode="gather", staging_bytes=128 << 20)
         elif mode == "gather-rows":  # a round per row: every round's stream handoffs
             copier = CudaCopier(kv[0].device, mode="gather", staging_bytes=1)
+        elif mode == "gather-kernel":  # the compiled kernel (the indexing ones if it fails)
+            copier = CudaCopier(kv[0].device, mode="gather", gather_kernel=True)
+        elif mode == "gather-kernel-rows":
+            copier = CudaCopier(kv[0].device, mode="gather", staging_bytes=1, gather_kernel=True)
         else:
             copier = CudaCopier(kv[0].device, mode=mode)
     elif how == "cpu":
@@ -373,7 +425,8 @@ def check_sweep(rep: Report, quick: bool) -> None:
     if quick:
         cases = cases[:: max(1, len(cases) // 12)]
     candidates = ["cpu-python", "torch-pieces", "torch-gather"]
-    cuda_modes = ["cuda-batch", "cuda-loop", "cuda-gather", "cuda-gather-rows", "cuda-torch"]
+    cuda_modes = ["cuda-batch", "cuda-loop", "cuda-gather", "cuda-gather-rows"]
+    cuda_modes += ["cuda-gather-kernel", "cuda-gather-kernel-rows", "cuda-torch"]
     t0 = time.perf_counter()
     for case in cases:
         stored, loaded, (layout, _kv, rows, src, dst, _n) = _run_case(case, "cpu", "cpu")
@@ -415,7 +468,7 @@ def check_sweep(rep: Report, quick: bool) -> None:
             f"({seconds:.1f} s)",
         )
     if not CUDA:
-        rep.skip("sweep on CUDA (batch, loop, gather, torch)", NO_CUDA)
+        rep.skip("sweep on CUDA (batch, loop, gather, gather-kernel, torch)", NO_CUDA)
 
 
 # -- engine ---------------------------------------------------------------------------
@@ -759,8 +812,8 @@ def _baseline(
 def check_bench(rep: Report, quick: bool) -> None:
     table: list[dict[str, Any]] = []
     if CUDA:
-        hows = ["cuda-auto", "cuda-batch", "cuda-gather", "cuda-gather-128m", "cuda-loop"]
-        hows += ["cuda-torch"]
+        hows = ["cuda-auto", "cuda-batch", "cuda-gather", "cuda-gather-kernel"]
+        hows += ["cuda-gather-128m", "cuda-loop", "cuda-torch"]
         rows = 32 if quick else 256  # 512 MiB requests
         for shape in (REALISTIC, BIG):
             table += _bench_shape(rep, shape, "cuda", hows, rows, 3 if quick else 7)
@@ -772,7 +825,7 @@ def check_bench(rep: Report, quick: bool) -> None:
     rep.results["bench"] = table
     base = table[0]["baseline_gbps"] if table else {}
     print(
-        f"\n  {'layout':<50} {'ids':<11} {'copier':<12} {'pieces':>6} "
+        f"\n  {'layout':<50} {'ids':<11} {'copier':<19} {'pieces':>6} "
         f"{'store GB/s (x)':>15} {'load GB/s (x)':>15} {'both GB/s (x)':>15} {'issue us s/l':>13}"
     )
     for r in table:
@@ -780,14 +833,14 @@ def check_bench(rep: Report, quick: bool) -> None:
             f"{r[f'{w}_gbps']:7.2f} ({r[f'{w}_ratio']:.2f})" for w in ("store", "load", "both")
         )
         issue = f"{r['store_issue_us']:6.0f}/{r['load_issue_us']:<6.0f}"
-        head = f"{r['shape']:<50} {r['order']:<11} {r['copier']:<12} {r['pieces']:>6}"
+        head = f"{r['shape']:<50} {r['order']:<11} {r['copier']:<19} {r['pieces']:>6}"
         print(f"  {head} {cells} {issue}")
     if table:
         shown = {k: round(v, 2) for k, v in base.items()}
         print(f"  one contiguous copy of the same bytes (GB/s), first layout: {shown}")
-        for r in table:
-            print(f"  {r['copier']}: {r['describe']}")
-            break
+        for how in dict.fromkeys(r["copier"] for r in table):
+            r = next(r for r in table if r["copier"] == how)
+            print(f"  {how}: {r['describe']}")
     rep.ok("bench", f"{len(table)} rows")
 
 

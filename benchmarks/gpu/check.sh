@@ -42,6 +42,8 @@ build_direct() {
         -o "$root/kvtier/transfer/_address$suffix" || ok=1
     gcc "${flags[@]}" -std=gnu11 -I"$inc" kvtier/transfer/_copy.c -ldl \
         -o "$root/kvtier/transfer/_copy$suffix" || ok=1
+    gcc "${flags[@]}" -std=gnu11 -I"$inc" kvtier/transfer/_gather.c -ldl \
+        -o "$root/kvtier/transfer/_gather$suffix" || ok=1
     gcc "${flags[@]}" -std=c11 "${def[@]}" -I"$inc" kvtier/tiers/_blocks.c "${xxh[@]}" \
         -o "$root/kvtier/tiers/_blocks$suffix" || ok=1
     return $ok
@@ -56,7 +58,7 @@ if [ "${1:-}" = --prebuild ]; then
 fi
 
 compiled_ok() {
-    "$PY" -c 'import kvtier.manager._native, kvtier.transfer._address, kvtier.transfer._copy, kvtier.tiers._blocks' 2>/dev/null
+    "$PY" -c 'import kvtier.manager._native, kvtier.transfer._address, kvtier.transfer._copy, kvtier.transfer._gather, kvtier.tiers._blocks' 2>/dev/null
 }
 
 echo "== what is here =="
