@@ -662,8 +662,11 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._write_statistics()
 
     def has_pending_work(self) -> bool:
+        # Lookups waiting on a read or probe, and tier writes in flight: vLLM
+        # keeps stepping until they end, so their outcomes (rows unpinned,
+        # statistics and metrics) are taken in, as vLLM's own tiers do.
         self._drain()
-        return self._chain.waiting
+        return self._chain.busy
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """The KV cache events since the last call, oldest first (see the module's Notes).
