@@ -38,7 +38,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from kvtier.testing.tier import Rows, block_keys
 from kvtier.testing.valkey import ValkeyCluster
-from kvtier.tiers._format import HEADER_BYTES
+from kvtier.tiers.block_format import HEADER_BYTES
 from kvtier.tiers.cluster import ClusterTier, ClusterTierConfig
 
 NAMESPACE = bytes(range(16))

@@ -23,7 +23,7 @@ What is measured, for block sizes 64 KiB, 256 KiB, 2 MiB, 8 MiB:
 * ``queue_depth="auto"``: the depth a fresh tier's open chooses, and the
   open's time, each repeat; the fixed depths of that repeat run right after
   it (ascending, then descending the next repeat).
-* kvtier's :class:`~kvtier.tiers.file_tier.FileTier`, both I/O engines
+* kvtier's :class:`~kvtier.tiers.file.FileTier`, both I/O engines
   (``--quick``: io_uring only), at every depth ``"auto"`` may choose (1, 4, 8,
   16, 32, and on io_uring 64 at 256 KiB: ``probe_depths``): filling a fresh tier,
   overwriting it (steady state: every store evicts), and loading it
@@ -102,9 +102,8 @@ import xxhash
 
 from kvtier.config import FileTierConfig
 from kvtier.layout import KVLayout, TensorSpec
-from kvtier.tiers import _blocks
-from kvtier.tiers._format import HEADER_BYTES
-from kvtier.tiers.file_tier import FileTier
+from kvtier.tiers.block_format import HEADER_BYTES
+from kvtier.tiers.file import FileTier, _blocks
 from kvtier.transfer._ring import SPLIT_MIN
 from kvtier.transfer.io_engine import DEEP_DEPTH, open_io_engine, probe_depths, probe_io_uring
 

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvtier.tiers.file_tier import FileTier
+    from kvtier.tiers.file import FileTier
 
 HERE = Path(__file__).resolve().parent
 
@@ -67,7 +67,7 @@ def child(args: argparse.Namespace) -> None:
     sys.path.insert(1, str(HERE))
     import file_tier as bench
 
-    from kvtier.tiers.file_tier import FileTier
+    from kvtier.tiers.file import FileTier
 
     async def run() -> dict[str, object]:
         bs, total = bench.parse_size(args.block), bench.parse_size(args.total)
@@ -125,7 +125,7 @@ def lean_loop(
     namespace; the blocks stay resident (the plan that named their slots is
     completed at once).
     """
-    from kvtier.tiers._blocks import verify_reaped
+    from kvtier.tiers.file._blocks import verify_reaped
     from kvtier.transfer._ring import OP_READV, Ring
 
     n, bs = len(keys), rows[0].nbytes

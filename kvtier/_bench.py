@@ -35,7 +35,7 @@ from kvtier.config import FileTierConfig
 from kvtier.keys import chain_keys
 from kvtier.layout import KVLayout
 from kvtier.region import CPURegion
-from kvtier.tiers.file_tier import FileTier, StoreResult
+from kvtier.tiers.file import FileTier, StoreResult
 from kvtier.transfer.device import open_device_transfer
 
 __all__ = ["BenchResult", "BenchSettings", "run_bench"]

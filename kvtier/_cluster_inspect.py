@@ -25,7 +25,7 @@ from typing import Any
 
 from kvtier.config import ClusterTierConfig
 from kvtier.errors import InvalidArgumentError
-from kvtier.tiers._format import HEADER_BYTES
+from kvtier.tiers.block_format import HEADER_BYTES
 
 __all__ = [
     "ClusterNamespaceReport",

@@ -3,7 +3,7 @@
 A namespace directory of format version 2 keeps its blocks in fixed-size slots
 of one preallocated file, ``blocks.dat``: slot ``i`` is bytes
 ``[i * slot_bytes, (i + 1) * slot_bytes)`` and holds a 4096-byte block header
-(:mod:`kvtier.tiers._format`) followed by the payload. A slot whose header
+(:mod:`kvtier.tiers.block_format`) followed by the payload. A slot whose header
 bytes are all zero is free; one whose header is not zero but does not decode is
 torn (an interrupted write).
 
@@ -12,7 +12,7 @@ read-only, nothing here writes or renames. Whether a namespace is open is
 asked with a non-blocking shared ``flock`` on its ``lock``, under a shared
 lock on the root's ``kvtier.lock`` (held for that moment only, never during
 the slot scan), so that the question cannot make a tier that is opening fail
-(see :mod:`kvtier.tiers._root`). A slot the tier rewrites while we read it may
+(see :mod:`kvtier.tiers.file._root`). A slot the tier rewrites while we read it may
 be seen half-written and reported torn or failing its checksum: the report
 describes the bytes as they were read.
 
@@ -31,10 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import InvalidArgumentError, TierIOError
-from kvtier.tiers._description import TIER_FORMAT_VERSION as FORMAT_VERSION
-from kvtier.tiers._description import Description, read_description
-from kvtier.tiers._format import HEADER_BYTES, BlockHeader, HeaderError, checksum, decode_header
-from kvtier.tiers._root import NamespaceUsage, lock_root_blocking, scan_root
+from kvtier.tiers.block_format import (
+    HEADER_BYTES,
+    BlockHeader,
+    HeaderError,
+    checksum,
+    decode_header,
+)
+from kvtier.tiers.file._description import TIER_FORMAT_VERSION as FORMAT_VERSION
+from kvtier.tiers.file._description import Description, read_description
+from kvtier.tiers.file._root import NamespaceUsage, lock_root_blocking, scan_root
 
 __all__ = ["BadFile", "NamespaceReport", "inspect_root"]
 

@@ -339,7 +339,7 @@ def _gc(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kvtier.tiers._root import collect
+    from kvtier.tiers.file._root import collect
 
     if args.shm:
         return _gc_shm(args)

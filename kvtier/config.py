@@ -284,7 +284,7 @@ class ClusterTierConfig(_Frozen):
     """Longest wait between tries (the wait doubles per failure up to it)."""
     direct_reads: bool = True
     """Loads read each GET reply's payload straight into its CPU row (a
-    connection of the tier's own per node, :mod:`kvtier.tiers._cluster_reader`)
+    connection of the tier's own per node, :mod:`kvtier.tiers.cluster._reader`)
     instead of through redis-py, which allocates and copies every reply:
     measured at 1.5-1.8x the throughput and a third of the client CPU here.
     Redirected keys are read again through redis-py either way."""

@@ -41,7 +41,7 @@ from kvtier.manager import ManagerStatistics, ResidencyManager, StorePlan
 from kvtier.region import CPURegion
 from kvtier.tiers.base import LoadResult, Refreshable, StoreResult, Tier, TierStatistics
 from kvtier.tiers.cluster import ClusterTierStatistics
-from kvtier.tiers.file_tier import FileTier, FileTierStatistics
+from kvtier.tiers.file import FileTier, FileTierStatistics
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.device import (
     DeviceTransfer,

@@ -41,7 +41,7 @@ from kvtier.errors import ConfigurationError
 from kvtier.manager import ManagerStatistics
 from kvtier.tiers.base import TierStatistics
 from kvtier.tiers.cluster import ClusterTierStatistics
-from kvtier.tiers.file_tier import FileTierStatistics
+from kvtier.tiers.file import FileTierStatistics
 
 if TYPE_CHECKING:
     import threading

@@ -426,7 +426,7 @@ class CPURegion:
         """Every row as one writable memoryview of ``rows * row_stride`` bytes, zero-copy.
 
         What a file tier registers with its I/O engine
-        (:meth:`~kvtier.tiers.file_tier.FileTier.register_memory`).
+        (:meth:`~kvtier.tiers.file.FileTier.register_memory`).
 
         Raises
         ------

@@ -15,7 +15,7 @@ import xxhash
 from kvtier._inspect import inspect_root
 from kvtier.cli import main
 from kvtier.layout import KVLayout, TensorSpec
-from kvtier.tiers._format import HEADER_BYTES, BlockHeader, checksum, encode_header
+from kvtier.tiers.block_format import HEADER_BYTES, BlockHeader, checksum, encode_header
 
 BLOCK = 16384
 SLOT = HEADER_BYTES + BLOCK

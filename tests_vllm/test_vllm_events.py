@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from kvtier.tiers.file_tier import FileTier
+from kvtier.tiers.file import FileTier
 from tests_vllm._harness import BLOCK_SIZE, generate, instance, prompts, read_statistics
 
 ROW_BYTES = 512 * 1024  # a row of the tiny Llama (see test_vllm_offloading)

@@ -150,7 +150,7 @@ def check_env(rep: Report) -> bool:
         "kvtier.transfer._address",
         "kvtier.transfer._copy",
         "kvtier.transfer._gather",
-        "kvtier.tiers._blocks",
+        "kvtier.tiers.file._blocks",
     ):
         try:
             importlib.import_module(name)

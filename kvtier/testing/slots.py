@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from kvtier.tiers._format import HEADER_BYTES, HeaderError, decode_header
+from kvtier.tiers.block_format import HEADER_BYTES, HeaderError, decode_header
 
 __all__ = ["block_offsets", "find_block", "slot_bytes"]
 

@@ -2,7 +2,7 @@
 
 A tier holds whole blocks (one CPU-region row each) under 16-byte block keys,
 and moves them between its own storage and caller buffers. The file tier
-(:class:`~kvtier.tiers.file_tier.FileTier`) and the cluster tier
+(:class:`~kvtier.tiers.file.FileTier`) and the cluster tier
 (:class:`~kvtier.tiers.cluster.ClusterTier`) are two implementations of
 :class:`Tier`; :class:`kvtier.testing.tier.TierSuite` is the one conformance
 suite both pass. The engine (also as the scheduler side of the process

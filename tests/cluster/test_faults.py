@@ -14,7 +14,7 @@ import pytest
 from kvtier.errors import BlockNotFoundError, IntegrityError, NamespaceMismatchError, TierIOError
 from kvtier.testing.tier import Rows, block_keys, pattern
 from kvtier.testing.valkey import ValkeyCluster
-from kvtier.tiers._format import HEADER_BYTES
+from kvtier.tiers.block_format import HEADER_BYTES
 from kvtier.tiers.cluster import ClusterTier
 
 from .conftest import BLOCK, OpenCluster, StartServer, config_for

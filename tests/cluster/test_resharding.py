@@ -19,9 +19,9 @@ from redis.crc import key_slot
 from kvtier.errors import TierIOError
 from kvtier.testing.tier import Rows, block_keys
 from kvtier.testing.valkey import ValkeyCluster
-from kvtier.tiers._cluster_client import PartsConnection
 from kvtier.tiers.base import LoadResult
 from kvtier.tiers.cluster import ClusterTier
+from kvtier.tiers.cluster._client import PartsConnection
 
 from .conftest import BLOCK, OpenCluster
 from .test_faults import check_loaded, store_all

@@ -30,8 +30,8 @@ from kvtier.config import ClusterTierConfig
 from kvtier.errors import TierIOError
 from kvtier.testing.tier import Rows, block_keys
 from kvtier.testing.valkey import ValkeyCluster
-from kvtier.tiers._cluster_client import PartsSSLConnection, make_client
 from kvtier.tiers.cluster import ClusterTier
+from kvtier.tiers.cluster._client import PartsSSLConnection, make_client
 
 from .conftest import BLOCK, NAMESPACE, config_for, running
 from .test_faults import check_loaded

@@ -275,7 +275,7 @@ def damage(tmp_path: Path, keys: list[bytes] | None = None) -> int:
     with data_file.open("r+b") as f:
         for offset in range(0, data_file.stat().st_size, slot_bytes):
             f.seek(offset)
-            header = f.read(64)  # the key is at bytes 24..40 (kvtier.tiers._format)
+            header = f.read(64)  # the key is at bytes 24..40 (kvtier.tiers.block_format)
             if not any(header) or (keys is not None and header[24:40] not in keys):
                 continue  # a free slot, or a block left alone
             f.seek(offset + slot_bytes - 100)

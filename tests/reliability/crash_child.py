@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kvtier.config import FileTierConfig
 from kvtier.layout import KVLayout, TensorSpec
-from kvtier.tiers.file_tier import FileTier
+from kvtier.tiers.file import FileTier
 
 BLOCK = 64 << 10
 BUDGET = 48 * (BLOCK + 4096)

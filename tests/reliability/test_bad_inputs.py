@@ -41,7 +41,7 @@ from kvtier import (
 from kvtier.engine import Engine
 from kvtier.testing.filesystems import refusing_direct_io_dir
 from kvtier.testing.slots import find_block
-from kvtier.tiers._format import HEADER_BYTES, BlockHeader, decode_header, encode_header
+from kvtier.tiers.block_format import HEADER_BYTES, BlockHeader, decode_header, encode_header
 
 sys.path.insert(0, str(Path(__file__).parent))
 from workload import (

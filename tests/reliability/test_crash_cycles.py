@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvtier.config import FileTierConfig
 from kvtier.testing.slots import block_offsets
-from kvtier.tiers.file_tier import FileTier
+from kvtier.tiers.file import FileTier
 
 sys.path.insert(0, str(Path(__file__).parent))
 from crash_child import BLOCK, BUDGET, layout, payload

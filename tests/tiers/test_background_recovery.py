@@ -12,8 +12,8 @@ from kvtier.config import FileTierConfig, RecoveryMode
 from kvtier.errors import BlockNotFoundError, BusyError, ClosedError
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.testing.io_engine import aligned_buffer
-from kvtier.tiers._format import HEADER_BYTES
-from kvtier.tiers.file_tier import FileTier
+from kvtier.tiers.block_format import HEADER_BYTES
+from kvtier.tiers.file import FileTier
 
 BLOCK = 4096
 BLOCKS = 600

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from kvtier.tiers import _format
-from kvtier.tiers._format import (
+from kvtier.tiers import block_format as _format
+from kvtier.tiers.block_format import (
     HEADER_BYTES,
     VERIFY_CHECKSUM,
     VERIFY_KEY,
@@ -17,7 +17,7 @@ from kvtier.tiers._format import (
     checksums,
 )
 
-_blocks = pytest.importorskip("kvtier.tiers._blocks", reason="the C helper is not built")
+_blocks = pytest.importorskip("kvtier.tiers.file._blocks", reason="the C helper is not built")
 
 NS = bytes(range(16, 32))
 N, PAYLOAD = 6, 8192

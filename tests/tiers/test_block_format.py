@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.tiers._format import (
+from kvtier.tiers.block_format import (
     HEADER_BYTES,
     BlockHeader,
     HeaderError,

@@ -1,6 +1,6 @@
-"""The compiled block helper (kvtier/tiers/_blocks.c) against the pure-Python format.
+"""The compiled block helper (kvtier/tiers/file/_blocks.c) against the pure-Python format.
 
-Both paths of :mod:`kvtier.tiers._format` must write and accept exactly the
+Both paths of :mod:`kvtier.tiers.block_format` must write and accept exactly the
 same bytes: a tier written by one is read by the other (an install without a
 C compiler, then one with).
 """
@@ -14,8 +14,8 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.tiers import _format
-from kvtier.tiers._format import (
+from kvtier.tiers import block_format as _format
+from kvtier.tiers.block_format import (
     HEADER_BYTES,
     VERIFY_CHECKSUM,
     VERIFY_HEADER,
@@ -25,7 +25,7 @@ from kvtier.tiers._format import (
     VERIFY_SIZE,
 )
 
-_blocks = pytest.importorskip("kvtier.tiers._blocks", reason="the C helper is not built")
+_blocks = pytest.importorskip("kvtier.tiers.file._blocks", reason="the C helper is not built")
 
 KEY, NS = bytes(range(16)), bytes(range(16, 32))
 

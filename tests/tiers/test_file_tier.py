@@ -42,14 +42,14 @@ from kvtier.errors import (
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.testing.filesystems import refusing_direct_io_dir
 from kvtier.testing.io_engine import FaultyEngine, aligned_buffer, cancel_one_awaiter
-from kvtier.tiers._format import (
+from kvtier.tiers.block_format import (
     HEADER_BYTES,
     BlockHeader,
     checksum,
     decode_header,
     encode_header,
 )
-from kvtier.tiers.file_tier import TIER_FORMAT_VERSION, FileTier
+from kvtier.tiers.file import TIER_FORMAT_VERSION, FileTier
 from kvtier.transfer import _ring
 from kvtier.transfer.io_engine import EngineKind, IOEngine, open_io_engine, probe_io_uring
 
@@ -355,7 +355,7 @@ async def test_bad_buffers_refused_by_either_check(
 ) -> None:
     """The compiled check of a call's buffers and the Python one refuse the same
     buffers with the same typed errors, and accept the same ones (viewed as bytes)."""
-    from kvtier.tiers import file_tier
+    from kvtier.tiers.file import _tier as file_tier
 
     if not compiled:
         monkeypatch.setattr(file_tier, "_check_views_c", None)
@@ -703,7 +703,7 @@ async def test_a_bug_in_a_worker_call_fails_its_blocks_and_the_tier_goes_on(
 
     Payloads are checksummed a few MiB per call: the blocks of that call fail.
     """
-    import kvtier.tiers._pipeline as ft
+    import kvtier.tiers.file._pipeline as ft
 
     real, calls = ft.checksums, [0]  # type: ignore[attr-defined]
 

@@ -17,8 +17,9 @@ from kvtier.config import FileTierConfig
 from kvtier.errors import ConfigurationError, InvalidArgumentError, TierIOError
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.testing.faults import FaultPlan, FaultyIOEngine
-from kvtier.tiers._slots import data_runs, probe_range
-from kvtier.tiers.file_tier import AUTO_DEPTH_FALLBACK, FileTier
+from kvtier.tiers.file import FileTier
+from kvtier.tiers.file._slots import data_runs, probe_range
+from kvtier.tiers.file._tier import AUTO_DEPTH_FALLBACK
 from kvtier.transfer.io_engine import (
     DEEP_DEPTH,
     QUEUE_DEPTHS,

@@ -33,8 +33,8 @@ from kvtier.config import FileTierConfig
 from kvtier.errors import CapacityError, ClosedError, TierIOError
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.testing.io_engine import FaultyEngine, aligned_buffer
-from kvtier.tiers._format import HEADER_BYTES
-from kvtier.tiers.file_tier import FileTier
+from kvtier.tiers.block_format import HEADER_BYTES
+from kvtier.tiers.file import FileTier
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine, open_io_engine
 
@@ -500,7 +500,7 @@ _OPENER = textwrap.dedent(
     from kvtier.config import FileTierConfig
     from kvtier.errors import CapacityError
     from kvtier.layout import KVLayout, TensorSpec
-    from kvtier.tiers.file_tier import FileTier
+    from kvtier.tiers.file import FileTier
 
     root, model, nbytes, sync = sys.argv[1:]
     spec = TensorSpec(name="kv", shape=(8, 2048), dtype="float16", itemsize=2, kv_first=False)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tiers._format import HEADER_BYTES
-from kvtier.tiers._recovery import _SCAN_BUFFER, _SCAN_READS, _scan_batches, _slots_with_data
+from kvtier.tiers.block_format import HEADER_BYTES
+from kvtier.tiers.file._recovery import _SCAN_BUFFER, _SCAN_READS, _scan_batches, _slots_with_data
 
 SPAN = HEADER_BYTES + 8192
 

@@ -12,9 +12,9 @@ import pytest_asyncio
 from kvtier.config import FileTierConfig
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.testing.tier import OpenTier, TierSuite
-from kvtier.tiers._format import HEADER_BYTES
 from kvtier.tiers.base import Tier
-from kvtier.tiers.file_tier import FileTier
+from kvtier.tiers.block_format import HEADER_BYTES
+from kvtier.tiers.file import FileTier
 
 BLOCK = 8192
 

@@ -13,8 +13,8 @@ from kvtier.config import FileTierConfig
 from kvtier.errors import IntegrityError
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.testing.io_engine import PAGE, BatchOutcomes, aligned_buffer
-from kvtier.tiers._format import HEADER_BYTES
-from kvtier.tiers.file_tier import FileTier
+from kvtier.tiers.block_format import HEADER_BYTES
+from kvtier.tiers.file import FileTier
 from kvtier.transfer import _ring, uring
 from kvtier.transfer.io_engine import IOEngine, open_io_engine, probe_io_uring
 

@@ -40,8 +40,8 @@ from redis.backoff import NoBackoff
 
 from kvtier.config import ClusterTierConfig
 from kvtier.errors import CapacityError, KVTierError, TierIOError
-from kvtier.tiers._cluster_reader import DirectReader, Reply, direct_ssl_context
-from kvtier.tiers._format import HEADER_BYTES
+from kvtier.tiers.block_format import HEADER_BYTES
+from kvtier.tiers.cluster._reader import DirectReader, Reply, direct_ssl_context
 
 __all__ = [
     "ClusterClient",
@@ -284,7 +284,7 @@ class ClusterClient:
     ) -> list[Reply]:
         """GET ``rkeys`` from ``node`` in one pipeline, each payload straight into its row.
 
-        One :data:`~kvtier.tiers._cluster_reader.Reply` per key; an error
+        One :data:`~kvtier.tiers.cluster._reader.Reply` per key; an error
         reply (MOVED, ASK, ...) is returned, not followed.
 
         Raises

@@ -1,5 +1,5 @@
 /*
- * kvtier.tiers._blocks: the per-block work of the file tier in C: XXH3 of
+ * kvtier.tiers.file._blocks: the per-block work of the file tier in C: XXH3 of
  * payloads, and a block header sealed or checked in one call.
  *
  * Why C: at 64 KiB a block, the Python of one header (struct packing, a
@@ -7,7 +7,7 @@
  * cost more CPU than the kernel's whole read of the block. Here a header is a
  * few stores and one XXH3 of 72 bytes, and payloads are hashed with the GIL
  * released (the event loop runs meanwhile). The bytes written are exactly
- * those of kvtier/tiers/_format.py (format version 1), which keeps the pure
+ * those of kvtier/tiers/block_format.py (format version 1), which keeps the pure
  * Python equivalents used when this module is not built.
  *
  * XXH3 comes from the vendored single-header xxHash 0.8.3 (_xxhash/, BSD-2),
@@ -41,7 +41,7 @@ XXH64_hash_t XXH3_64bits_dispatch(XXH_NOESCAPE const void *input, size_t len);
 
 static const unsigned char MAGIC[8] = {'K', 'V', 'T', 'B', 'L', 'K', 0, 1};
 
-/* verify() outcomes; the same numbers as kvtier.tiers._format.VERIFY_*. */
+/* verify() outcomes; the same numbers as kvtier.tiers.block_format.VERIFY_*. */
 enum { V_OK = 0, V_HEADER = 1, V_NAMESPACE = 2, V_KEY = 3, V_SIZE = 4, V_CHECKSUM = 5, V_TRANSFER = 6 };
 
 static void put16(unsigned char *p, uint16_t v) { p[0] = (unsigned char)v; p[1] = (unsigned char)(v >> 8); }
@@ -361,8 +361,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "kvtier.tiers._blocks",
-    .m_doc = "Block headers and payload checksums of the file tier (see kvtier.tiers._format).",
+    .m_name = "kvtier.tiers.file._blocks",
+    .m_doc = "Block headers and payload checksums of the file tier (see kvtier.tiers.block_format).",
     .m_size = -1,
     .m_methods = methods,
 };

@@ -3,7 +3,7 @@
 Every block is one string value under a key of three parts::
 
     <tenant_prefix>:<namespace hex>:<block key hex>      e.g. kvtier:3f0c…:a1b2…
-    value = 4096-byte block header (kvtier.tiers._format) + payload (one row)
+    value = 4096-byte block header (kvtier.tiers.block_format) + payload (one row)
 
 The tenant prefix separates users of one cluster; the namespace (the layout
 fingerprint: model, dtype, layout, block size, TP size) separates models and
@@ -25,7 +25,7 @@ load time, which is a miss for it (counted in ``vanished``), never an error.
 Faults (connection loss, a node down, MOVED/ASK left over, timeouts) fail the
 blocks of the pipeline they hit with a typed, counted
 :class:`~kvtier.errors.TierIOError`; the node is then left alone for a
-backoff before the next try (see :mod:`kvtier.tiers._cluster_client`).
+backoff before the next try (see :mod:`kvtier.tiers.cluster._client`).
 """
 
 from __future__ import annotations
@@ -49,16 +49,16 @@ from kvtier.errors import (
 )
 from kvtier.keys import KEY_BYTES, check_keys
 from kvtier.layout import KVLayout
-from kvtier.tiers._cluster_reader import BulkError
-from kvtier.tiers._format import HEADER_BYTES, HeaderError, checksum, decode_header_fields
-from kvtier.tiers._format import encode_header_fields as _encode
 from kvtier.tiers.base import LoadResult, StoreResult, Tier
+from kvtier.tiers.block_format import HEADER_BYTES, HeaderError, checksum, decode_header_fields
+from kvtier.tiers.block_format import encode_header_fields as _encode
+from kvtier.tiers.cluster._reader import BulkError
 from kvtier.transfer.completion import Completion
 
 if TYPE_CHECKING:
     # The client module imports redis (the optional ``cluster`` extra): loaded
     # only when a tier opens, so the engine imports without it.
-    from kvtier.tiers._cluster_client import ClusterClient, Parts
+    from kvtier.tiers.cluster._client import ClusterClient, Parts
 
 __all__ = ["ClusterTier", "ClusterTierConfig", "ClusterTierStatistics"]
 
@@ -74,7 +74,7 @@ async def open_cluster_client(config: ClusterTierConfig) -> ClusterClient:
         As :meth:`ClusterTier.open`.
     """
     try:
-        from kvtier.tiers._cluster_client import open_client
+        from kvtier.tiers.cluster._client import open_client
     except ImportError as exc:
         raise ConfigurationError(
             "the cluster tier needs the redis client: pip install kvtier[cluster]"
@@ -169,7 +169,7 @@ class ClusterTier(Tier):
 
     **Buffers.** Any contiguous buffer of ``block_bytes`` bytes (no alignment
     needed). Stores send the payload from the buffer itself, after its
-    header (:class:`~kvtier.tiers._cluster_client.Parts`: no copy by the
+    header (:class:`~kvtier.tiers.cluster._client.Parts`: no copy by the
     tier; Python 3.11's transport joins what one write sends, as for any
     redis-py value); loads copy the verified payload once from the reply
     (redis-py allocates every reply).
@@ -194,7 +194,7 @@ class ClusterTier(Tier):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._counts = _Counters()
-        from kvtier.tiers._cluster_client import Parts  # the client is open: redis is there
+        from kvtier.tiers.cluster._client import Parts  # the client is open: redis is there
 
         self._parts = Parts
 

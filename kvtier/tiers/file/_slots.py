@@ -1,15 +1,15 @@
 """The slot file ``blocks.dat`` of one open namespace: where each block lives, and clearing slots.
 
 Slot ``i`` is ``4096 + block_bytes`` bytes at ``i * (4096 + block_bytes)``: a
-header page (:mod:`kvtier.tiers._format`), then the payload; a zero header is
+header page (:mod:`kvtier.tiers.block_format`), then the payload; a zero header is
 a free slot. :class:`SlotFile` holds the open descriptors and the geometry,
 the fixed mapping from the manager's slot numbers to the file's, and the one
 write that is not a block: zeroing a slot's header when its block is gone
 (removed, failed, evicted while read), ordered before the slot's next write.
 
-Separate from the I/O pipeline (:mod:`kvtier.tiers._pipeline`), which moves
+Separate from the I/O pipeline (:mod:`kvtier.tiers.file._pipeline`), which moves
 blocks through these slots, and from the recovery scan
-(:mod:`kvtier.tiers._recovery`), which reads them once at open and sets the
+(:mod:`kvtier.tiers.file._recovery`), which reads them once at open and sets the
 mapping: both ask this module where a block is and what a slot holds.
 """
 
@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvtier.manager import ResidencyManager
-from kvtier.tiers._format import HEADER_BYTES
-from kvtier.tiers._root import DATA_FILE
+from kvtier.tiers.block_format import HEADER_BYTES
+from kvtier.tiers.file._root import DATA_FILE
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine
 

@@ -29,7 +29,7 @@ blocks found at open by age.
 The file tier's per-block path (:func:`checksum`, :func:`checksums`,
 :data:`seal_header`, :data:`verify_block`, and :data:`seal_headers`,
 :data:`verify_reaped` for a run of blocks in one call) runs in the compiled
-helper ``kvtier/tiers/_blocks.c`` when it is built, and in the pure Python
+helper ``kvtier/tiers/file/_blocks.c`` when it is built, and in the pure Python
 below otherwise; both write and accept exactly the same bytes (a test
 compares them).
 """
@@ -329,7 +329,7 @@ that failed (an empty list when all are sound). One call per run of reads
 reaped, with the engine's outcomes as they came."""
 
 try:
-    from kvtier.tiers import _blocks
+    from kvtier.tiers.file import _blocks
 except ImportError:  # not built (no C compiler at install): the Python above
     pass
 else:

@@ -15,7 +15,7 @@ Every block of a namespace lives in one preallocated file, at a slot::
                                           (at most min(8, slots // 16))
 
 A slot is a 4096-byte header (magic, key, namespace, payload length and XXH3,
-see :mod:`kvtier.tiers._format`) followed by the payload; a zero header is a
+see :mod:`kvtier.tiers.block_format`) followed by the payload; a zero header is a
 free slot. A store writes header and payload with one vectored ``O_DIRECT``
 request at the slot's offset: no file is created, renamed or closed, so
 filling a tier costs what overwriting it costs. Every read verifies the header
@@ -32,15 +32,15 @@ the file's slots: the manager decides, this module only moves bytes. See
 The tier is this facade over parts, each a module with one job, owned by
 :class:`FileTier` and wired at :meth:`FileTier.open`:
 
-* :mod:`kvtier.tiers._slots`: the slot file (descriptors, geometry, the
+* :mod:`kvtier.tiers.file._slots`: the slot file (descriptors, geometry, the
   manager-to-file slot mapping, zeroing slots);
-* :mod:`kvtier.tiers._recovery`: the scan of the slot headers at open;
-* :mod:`kvtier.tiers._pipeline`: stores and loads of blocks through the I/O
+* :mod:`kvtier.tiers.file._recovery`: the scan of the slot headers at open;
+* :mod:`kvtier.tiers.file._pipeline`: stores and loads of blocks through the I/O
   engine (header pages, verification, fsync batching, counters);
-* :mod:`kvtier.tiers._quarantine`: bounded copies of blocks that failed;
-* :mod:`kvtier.tiers._worker`: the tier's one thread (checksums, copies);
-* :mod:`kvtier.tiers._root`, :mod:`kvtier.tiers._namespace`,
-  :mod:`kvtier.tiers._description`, :mod:`kvtier.tiers._format`: the root's
+* :mod:`kvtier.tiers.file._quarantine`: bounded copies of blocks that failed;
+* :mod:`kvtier.tiers.file._worker`: the tier's one thread (checksums, copies);
+* :mod:`kvtier.tiers.file._root`, :mod:`kvtier.tiers.file._namespace`,
+  :mod:`kvtier.tiers.file._description`, :mod:`kvtier.tiers.block_format`: the root's
   budget, the disk steps of an open, ``namespace.json``, the block header.
 """
 
@@ -66,16 +66,16 @@ from kvtier.errors import (
 from kvtier.keys import check_keys
 from kvtier.layout import KVLayout
 from kvtier.manager import ManagerEvent, ResidencyManager
-from kvtier.tiers._description import LAYOUT_KIND, TIER_FORMAT_VERSION
-from kvtier.tiers._format import HEADER_BYTES
-from kvtier.tiers._namespace import Prepared, prepare, undo_under_root_lock
-from kvtier.tiers._pipeline import Pipeline
-from kvtier.tiers._quarantine import Quarantine
-from kvtier.tiers._recovery import Recovery
-from kvtier.tiers._root import data_cost, lock_root, metadata_estimate
-from kvtier.tiers._slots import SlotFile, probe_range
-from kvtier.tiers._worker import Worker
 from kvtier.tiers.base import LoadResult, StoreResult, Tier
+from kvtier.tiers.block_format import HEADER_BYTES
+from kvtier.tiers.file._description import LAYOUT_KIND, TIER_FORMAT_VERSION
+from kvtier.tiers.file._namespace import Prepared, prepare, undo_under_root_lock
+from kvtier.tiers.file._pipeline import Pipeline
+from kvtier.tiers.file._quarantine import Quarantine
+from kvtier.tiers.file._recovery import Recovery
+from kvtier.tiers.file._root import data_cost, lock_root, metadata_estimate
+from kvtier.tiers.file._slots import SlotFile, probe_range
+from kvtier.tiers.file._worker import Worker
 from kvtier.transfer._ring import MAX_FIXED_BYTES, SPLIT_MIN
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import (
@@ -179,7 +179,7 @@ class FileTier(Tier):
     Open with :meth:`open`; close with :meth:`aclose`. Every slot of a tier
     has ``4096 + block_bytes`` bytes, and ``blocks.dat`` has as many slots as
     the namespace's share of the root's ``bytes_to_use`` holds (see
-    :mod:`kvtier.tiers._root`), reserved at open. Methods are called from the
+    :mod:`kvtier.tiers.file._root`), reserved at open. Methods are called from the
     event loop the tier was opened on.
 
     Notes

@@ -8,10 +8,10 @@ the older of two slots holding one key are zeroed before the tier takes
 writes. It runs inside :meth:`FileTier.open`, or after it with
 ``recovery="background"``, while the tier knows no block.
 
-Separate from the I/O pipeline (:mod:`kvtier.tiers._pipeline`) because it
+Separate from the I/O pipeline (:mod:`kvtier.tiers.file._pipeline`) because it
 runs once, reads headers only, and decides what the slots hold; the pipeline
 then serves blocks from the mapping it sets on the slot file
-(:mod:`kvtier.tiers._slots`).
+(:mod:`kvtier.tiers.file._slots`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Literal
 
 from kvtier.errors import TierIOError
 from kvtier.manager import ResidencyManager
-from kvtier.tiers._format import HEADER_BYTES, HeaderError, scan_header
-from kvtier.tiers._slots import SlotFile, data_runs
+from kvtier.tiers.block_format import HEADER_BYTES, HeaderError, scan_header
+from kvtier.tiers.file._slots import SlotFile, data_runs
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine
 
@@ -93,7 +93,7 @@ class Recovery:
         """Slots found with a header of another namespace, zeroed."""
         self.keys: tuple[bytes, ...] = ()
         """The keys of the blocks found, oldest first, until
-        :meth:`~kvtier.tiers.file_tier.FileTier.take_recovered_keys` takes them."""
+        :meth:`~kvtier.tiers.file.FileTier.take_recovered_keys` takes them."""
 
     def text(self) -> str:
         """The tier, named for an error while it is not recovered."""

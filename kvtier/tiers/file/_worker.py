@@ -3,7 +3,7 @@
 Separate from the I/O pipeline because two parts use it: the pipeline hands
 it the XXH3 of the stored payloads (one call per few MiB of blocks, not one
 per block), the quarantine its copies of bad blocks
-(:mod:`kvtier.tiers._quarantine`), and both get their results back on the
+(:mod:`kvtier.tiers.file._quarantine`), and both get their results back on the
 loop in the order they asked.
 """
 

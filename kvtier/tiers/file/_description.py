@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import TierIOError
-from kvtier.tiers._format import HEADER_BYTES
+from kvtier.tiers.block_format import HEADER_BYTES
 
 __all__ = [
     "DESCRIPTION_FILE",

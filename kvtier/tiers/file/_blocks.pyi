@@ -1,4 +1,4 @@
-"""Types of the compiled helper ``_blocks.c`` (see kvtier.tiers._format)."""
+"""Types of the compiled helper ``_blocks.c`` (see kvtier.tiers.block_format)."""
 
 from collections.abc import Sequence
 

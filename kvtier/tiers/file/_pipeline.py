@@ -1,7 +1,7 @@
 """The file tier's I/O pipeline: stores and loads of blocks through the I/O engine.
 
 A store's payloads are checksummed on the tier's thread
-(:mod:`kvtier.tiers._worker`), a few MiB of blocks per call, each block's
+(:mod:`kvtier.tiers.file._worker`), a few MiB of blocks per call, each block's
 header sealed into a page-aligned header page, and header and payload written
 with one vectored request at the block's slot; with ``durability="fsync"`` the
 blocks written meanwhile share one ``fsync``. A load reads header and payload
@@ -14,7 +14,7 @@ blocks that fit in flight start as one engine batch
 (:meth:`IOEngine.submit_many`, one compiled call to check and prepare it),
 their headers sealed by one call; the engine reports the requests reaped
 together in one callback, whose reads are verified by one call
-(:data:`~kvtier.tiers._format.verify_reaped`, given the engine's outcomes as
+(:data:`~kvtier.tiers.block_format.verify_reaped`, given the engine's outcomes as
 they came), and the blocks that succeeded settle together (one residency
 call, the counters once): a store's per reap, a load's once per run, with the
 run's last read. Only a failed block takes the path of its own. A
@@ -28,9 +28,9 @@ rest wait here, in order. Each call is one job whose
 completion resolves once its last block is done, with a :class:`StoreResult`
 or :class:`LoadResult`.
 
-Separate from the slot file (:mod:`kvtier.tiers._slots`: where a block is, and
-clearing slots), from the recovery scan (:mod:`kvtier.tiers._recovery`: once,
-at open) and from the quarantine (:mod:`kvtier.tiers._quarantine`): this module
+Separate from the slot file (:mod:`kvtier.tiers.file._slots`: where a block is, and
+clearing slots), from the recovery scan (:mod:`kvtier.tiers.file._recovery`: once,
+at open) and from the quarantine (:mod:`kvtier.tiers.file._quarantine`): this module
 is the one path every block of every call takes, and its counters.
 """
 
@@ -56,7 +56,8 @@ from kvtier.errors import (
     TierIOError,
 )
 from kvtier.manager import LoadPlan, ResidencyManager
-from kvtier.tiers._format import (
+from kvtier.tiers.base import LoadResult, StoreResult
+from kvtier.tiers.block_format import (
     HEADER_BYTES,
     VERIFY_CHECKSUM,
     VERIFY_HEADER,
@@ -69,10 +70,9 @@ from kvtier.tiers._format import (
     seal_headers,
     verify_reaped,
 )
-from kvtier.tiers._quarantine import Quarantine
-from kvtier.tiers._slots import SlotFile
-from kvtier.tiers._worker import Worker
-from kvtier.tiers.base import LoadResult, StoreResult
+from kvtier.tiers.file._quarantine import Quarantine
+from kvtier.tiers.file._slots import SlotFile
+from kvtier.tiers.file._worker import Worker
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine
 

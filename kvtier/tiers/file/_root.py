@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.errors import CapacityError, TierIOError
-from kvtier.tiers._description import (
+from kvtier.tiers.file._description import (
     DESCRIPTION_FILE,
     Description,
     is_namespace_name,

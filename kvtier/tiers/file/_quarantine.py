@@ -2,11 +2,11 @@
 
 A block whose header or payload checksum is wrong is copied (header page and
 payload) to ``<namespace>/quarantine/`` for inspection, at most
-:func:`~kvtier.tiers._root.quarantine_keep` copies, the oldest deleted first.
+:func:`~kvtier.tiers.file._root.quarantine_keep` copies, the oldest deleted first.
 Separate from the I/O pipeline because it is a policy about the disk, not about
 moving blocks: the pipeline only says which block failed and why; what is kept,
 under which name and within which bound is decided here, and the copies are
-written on the tier's one thread (:mod:`kvtier.tiers._worker`).
+written on the tier's one thread (:mod:`kvtier.tiers.file._worker`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvtier.tiers._namespace import write_file
-from kvtier.tiers._root import quarantine_keep, trim_quarantine
-from kvtier.tiers._worker import Worker
+from kvtier.tiers.file._namespace import write_file
+from kvtier.tiers.file._root import quarantine_keep, trim_quarantine
+from kvtier.tiers.file._worker import Worker
 
 __all__ = ["Quarantine"]
 

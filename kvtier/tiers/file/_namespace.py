@@ -1,7 +1,7 @@
 """Opening a namespace directory of the file tier: its share of the root, and undoing it.
 
 :func:`prepare` runs in one worker thread under the root lock (see
-:mod:`kvtier.tiers._root`) and does every step of an open that touches the
+:mod:`kvtier.tiers.file._root`) and does every step of an open that touches the
 disk before the tier exists: it checks the namespace (its lock, its
 ``namespace.json``), plans its share of the root's budget (reclaiming
 namespaces not open where needed), checks that the filesystem has the free
@@ -35,7 +35,8 @@ from kvtier.errors import (
     TierIOError,
 )
 from kvtier.layout import KVLayout
-from kvtier.tiers._description import (
+from kvtier.tiers.block_format import HEADER_BYTES
+from kvtier.tiers.file._description import (
     DESCRIPTION_FILE,
     FORMAT_NAME,
     LAYOUT_KIND,
@@ -43,8 +44,7 @@ from kvtier.tiers._description import (
     Description,
     read_description,
 )
-from kvtier.tiers._format import HEADER_BYTES
-from kvtier.tiers._root import (
+from kvtier.tiers.file._root import (
     DATA_FILE,
     NAMESPACE_LOCK,
     data_cost,
@@ -230,7 +230,7 @@ def prepare(config: FileTierConfig, layout: KVLayout, block_bytes: int, alignmen
         for sub in _SUBDIRS:
             if _make_dir(ns_dir / sub) and not undo.created_dir:
                 undo.created_subdirs.append(sub)
-        # The lock file's mtime is the namespace's last use (see kvtier.tiers._root).
+        # The lock file's mtime is the namespace's last use (see kvtier.tiers.file._root).
         os.utime(fds[0])
         if desc is None:
             undo.wrote_description = not (ns_dir / DESCRIPTION_FILE).exists()
