@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier import _mmap
 from kvtier.errors import (
     CapacityError,
     ClosedError,
@@ -21,7 +20,7 @@ from kvtier.errors import (
     SharedRegionError,
 )
 from kvtier.layout import KVLayout
-from kvtier.region import CPURegion, RegionStatistics
+from kvtier.region import CPURegion, RegionStatistics, _mmap
 
 MiB = 1 << 20
 PAGE = mmap.PAGESIZE

@@ -17,11 +17,10 @@ from typing import Any
 
 import pytest
 
-from kvtier import _shm
 from kvtier.cli import main
 from kvtier.errors import InvalidArgumentError, SharedRegionError
 from kvtier.layout import KVLayout
-from kvtier.region import CPURegion, reap_shared_regions
+from kvtier.region import CPURegion, _shm, reap_shared_regions
 from kvtier.testing.processes import Children
 
 WORKER = Path(__file__).with_name("_worker.py")
@@ -144,7 +143,7 @@ def test_last_close_removes_the_file_before_everyone_attached(
 STUCK_CREATOR = textwrap.dedent(
     """
     import fcntl, os, sys, time
-    from kvtier import _shm
+    from kvtier.region import _shm
     path = _shm.region_path(sys.argv[1])
     fd = os.open(_shm.SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600)
     assert _shm._setlk(fd, fcntl.F_WRLCK, _shm._MUTEX)
@@ -410,8 +409,8 @@ def test_a_shared_region_beyond_dev_shm_names_the_budget(layout: KVLayout, shm_n
 
 def test_a_shared_region_beyond_memory_is_refused(layout: KVLayout, shm_name: str) -> None:
     """/dev/shm may be larger than what memory is available: the OOM killer must not pay."""
-    from kvtier._mmap import memory_bytes
     from kvtier.errors import CapacityError
+    from kvtier.region._mmap import memory_bytes
 
     st = os.statvfs("/dev/shm")
     shm_free = st.f_bavail * st.f_frsize

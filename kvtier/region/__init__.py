@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
-from kvtier import _mmap, _shm
 from kvtier.errors import (
     AlignmentError,
     CapacityError,
@@ -38,6 +37,7 @@ from kvtier.errors import (
     TransferError,
 )
 from kvtier.layout import KVLayout
+from kvtier.region import _mmap, _shm
 
 if TYPE_CHECKING:
     import torch

@@ -54,8 +54,8 @@ import struct
 import time
 from dataclasses import dataclass
 
-from kvtier._mmap import PAGE_SIZE, PMD_SIZE, memory_bytes, round_up
 from kvtier.errors import CapacityError, InvalidArgumentError, SharedRegionError
+from kvtier.region._mmap import PAGE_SIZE, PMD_SIZE, memory_bytes, round_up
 
 __all__ = [
     "FILE_PREFIX",
