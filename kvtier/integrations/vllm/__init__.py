@@ -9,7 +9,9 @@ vLLM loads it through its ``OffloadingConnector``::
         "file_tier": {"root": "/var/cache/kvtier", "bytes_to_use": "200GiB"},
     }
 
-:mod:`kvtier.integrations.vllm.spec` imports vLLM; this package itself does
-not, so :mod:`kvtier.integrations.vllm.settings` (the configuration) is usable
-without it. See docs/vllm.md.
+:mod:`.spec` (the spec vLLM loads), :mod:`.manager` (its scheduler side),
+:mod:`.worker` (its worker side), :mod:`._common` and :mod:`.serve` (vLLM's
+command line on its CPU build) import vLLM; this package itself does not, nor
+do :mod:`.settings` (the configuration) and :mod:`.identity` (the model's
+fingerprint), which are usable without it. See docs/vllm.md.
 """

@@ -1,0 +1,610 @@
+"""The scheduler side of kvtier's vLLM front: vLLM's manager calls onto kvtier's chain.
+
+See :mod:`kvtier.integrations.vllm.spec` for how the two sides meet.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Collection, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # type: ignore[import-not-found]
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+
+from kvtier.chain import (
+    Answer,
+    Chain,
+    Intent,
+    LowerTier,
+    Outcome,
+    Read,
+    ReadDone,
+    TierChanged,
+    Write,
+    Written,
+)
+from kvtier.config import KVTierConfig
+from kvtier.errors import BusyError
+from kvtier.integrations.vllm._common import RowsSpec, _LoopThread, offload_key_to_kvtier
+from kvtier.integrations.vllm.settings import VLLMSettings
+from kvtier.layout import KVLayout
+from kvtier.manager import BlockRemoved, ManagerEvent, ResidencyManager
+from kvtier.metrics import (
+    DEADLINE_MISSES,
+    EVENTS_DROPPED,
+    EVENTS_PUBLISHED,
+    LOOKUPS,
+    READ_DURATION,
+    WRITE_DURATION,
+    DeltaReporter,
+    Samples,
+    TierMetrics,
+    as_json,
+    samples,
+    tier_metrics,
+)
+from kvtier.region import CPURegion
+from kvtier.tier_driver import TierDriver
+from kvtier.tiers.base import Announces, Recovers, Tier
+
+__all__ = [
+    "MAX_PENDING_EVENT_KEYS",
+    "KVTierOffloadingManager",
+]
+
+log = logging.getLogger("kvtier.integrations.vllm")
+
+MAX_PENDING_EVENT_KEYS = 1 << 16
+"""Keys of KV cache events kept for :meth:`KVTierOffloadingManager.take_events`.
+
+vLLM takes them every scheduler step, which keeps the queue short; when nobody
+takes them the oldest events are dropped (counted as ``events_dropped``)."""
+
+_FILE_OWNER = "kvtier-file"
+
+
+class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
+    """The scheduler side: vLLM's calls translated onto kvtier's chain of tiers.
+
+    Every method is called by vLLM's scheduler thread, is synchronous and does
+    no I/O. Where every block is and what to do next is the
+    :class:`~kvtier.chain.Chain`'s (the same decisions whatever the front);
+    this class translates vLLM's keys and answers, carries the chain's intents
+    to kvtier's loop thread (a :class:`~kvtier.tier_driver.TierDriver` runs
+    them on the tiers) and hands their outcomes back to the chain through a
+    queue it drains at the start of every call. It never waits for I/O
+    (except in :meth:`shutdown`).
+
+    *Names.* vLLM's key of a block is kept (``kvtier key -> OffloadKey``) while
+    the block is in the CPU tier, to report it as evicted, and, with events on,
+    while it is in the file tier with its store announced, to announce its
+    removal: blocks a file tier recovered at start-up have no name (kvtier
+    stores its own hashed key) and are announced neither way.
+    """
+
+    def __init__(
+        self,
+        settings: VLLMSettings,
+        layout: KVLayout,
+        region: CPURegion,
+        loop: _LoopThread,
+        tiers: list[Tier],
+        *,
+        enable_events: bool = False,
+    ) -> None:
+        """Use :meth:`open`."""
+        self._settings = settings
+        self._config: KVTierConfig = settings.config
+        self._layout = layout
+        self._ns = layout.namespace
+        self._region = region
+        self._loop = loop
+        self._tiers = tiers
+        specs = [spec for _name, spec in self._config.chain]
+        self._tier_names = [spec.name for spec in specs]
+        self._chain = Chain(
+            ResidencyManager(
+                region.rows, self._config.eviction_policy, tier="cpu", enable_events=enable_events
+            ),
+            [
+                LowerTier(spec.name, shared=tier.shared, promote_up=i > 0 and spec.promotes_up)
+                for i, (spec, tier) in enumerate(zip(specs, tiers, strict=True))
+            ],
+            lookup_deadline_s=settings.lookup_deadline_s,
+        )
+        # The file tier (the one tier of this instance's own) announces KV events.
+        self._event_tier = self._tier_names.index("file") if "file" in self._tier_names else -1
+        self._names: dict[bytes, OffloadKey] = {}
+        # Filled on the loop thread, drained on vLLM's: deque append and popleft
+        # are atomic, so the two threads need no lock.
+        self._outcomes: collections.deque[Outcome | _TierEvents] = collections.deque()
+        self._events: collections.deque[OffloadingEvent] | None = (
+            collections.deque() if enable_events else None
+        )
+        self._event_keys = 0
+        self._announced_file: set[bytes] = set()
+        self._closed = False
+        self._n: dict[str, int] = dict.fromkeys(
+            ("stores", "loads", "loaded_blocks", "events_published", "events_dropped"), 0
+        )
+        self._last_stats = ""
+        # kvtier's metrics for vLLM (get_stats): totals turned into increases,
+        # and how long each tier's jobs took.
+        self._reporter = DeltaReporter()
+        self._row_bytes = region.slice_bytes * region.world_size
+        # Whether a figure may have changed since the last get_stats: most
+        # steps (decoding) change none, and then cost no snapshot at all.
+        self._changed = True
+        self._driver = TierDriver(
+            tiers, self._tier_names, region, self._post_outcome, self._after_tier_call
+        )
+        for i, tier in enumerate(tiers):
+            if not isinstance(tier, Recovers):
+                continue
+            if tier.recovering:  # the scan goes on: its blocks join when it ends
+                loop.soon(self._seed, i, tier)
+            else:  # found at open: known before vLLM's first lookup
+                keys = loop.run(_recovered(tier))
+                self._chain.settle(TierChanged(i, added=tuple(keys)))
+
+    @classmethod
+    def open(
+        cls,
+        settings: VLLMSettings,
+        layout: KVLayout,
+        region: CPURegion,
+        *,
+        enable_events: bool = False,
+    ) -> KVTierOffloadingManager:
+        """Open the tiers below the CPU region (if configured) on a loop thread of their own.
+
+        Parameters
+        ----------
+        settings, layout, region
+            The adapter's settings, the row layout, the region mapped whole.
+        enable_events
+            Record KV cache events for :meth:`take_events` (vLLM's
+            ``enable_kv_cache_events``).
+        """
+        loop = _LoopThread("kvtier-vllm-scheduler")
+        tiers: list[Tier] = []
+        try:
+            for _name, spec in settings.config.chain:
+                tiers.append(loop.run(spec.open_below(layout, region, enable_events=enable_events)))
+        except BaseException:
+            for tier in reversed(tiers):
+                with contextlib.suppress(Exception):
+                    loop.run(tier.aclose(), timeout=60.0)
+            loop.stop()
+            region.close()
+            raise
+        log.info(
+            "kvtier: CPU tier of %d rows of %d bytes (cpu_bytes_to_use=%d)",
+            region.rows,
+            region.row_stride,
+            int(settings.config.cpu_bytes_to_use),
+        )
+        for (name, _spec), tier in zip(settings.config.chain, tiers, strict=True):
+            log.info("kvtier: %s tier: %s", name, _describe(tier))
+        return cls(settings, layout, region, loop, tiers, enable_events=enable_events)
+
+    # -- vLLM's OffloadingManager -------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._drain()
+        k = self._key(key)
+        self._changed = True
+        answer = self._chain.lookup(k)
+        if answer is Answer.RETRY:
+            self._names[k] = key  # announced in the CPU tier once promoted
+        return _ANSWERS[answer]
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> RowsSpec:
+        self._drain()
+        ks = [self._key(k) for k in keys]
+        slots = self._chain.pin_for_device_load(ks)
+        self._reporter.began((False, frozenset(ks)))
+        self._changed = True
+        self._n["loads"] += 1
+        self._n["loaded_blocks"] += len(ks)
+        return RowsSpec(list(slots))
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._chain.touch([self._key(x) for x in keys])
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        ks = [self._key(k) for k in keys]
+        self._chain.unpin_device_load(ks)
+        self._reporter.ended((False, frozenset(ks)), READ_DURATION, "cpu")
+        self._changed = True
+        self._drain()
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        self._drain()
+        self._changed = True
+        cpu = self._chain.cpu
+        todo: dict[bytes, OffloadKey] = {}
+        for key in keys:
+            k = self._key(key)
+            if k not in cpu:
+                todo[k] = key
+        if not todo:
+            return PrepareStoreOutput(keys_to_store=[], store_spec=RowsSpec([]), evicted_keys=[])
+        plan = self._chain.place(list(todo))
+        if plan is None:  # every row pinned or being written
+            # vLLM keeps these blocks and asks again at its next step.
+            self._refused(len(todo), 0)
+            return None
+        if len(plan.keys) < len(todo):
+            # The leading blocks (a prefix: what a later request can hit) are
+            # stored; vLLM does not offer this request's others again.
+            self._refused(len(todo) - len(plan.keys), len(todo))
+        self._n["stores"] += len(plan.keys)
+        self._reporter.began((True, frozenset(plan.keys)))
+        for k in plan.keys:
+            self._names[k] = todo[k]
+        self._pull_cpu_events()  # the evictions' names are needed, then forgotten
+        evicted = [self._names[k] for k in plan.evicted if k in self._names]
+        self._forget(plan.evicted)
+        return PrepareStoreOutput(
+            keys_to_store=[todo[k] for k in plan.keys],
+            store_spec=RowsSpec(list(plan.slots)),
+            evicted_keys=evicted,
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        ks = [self._key(k) for k in keys]
+        self._changed = True
+        self._chain.stored(ks, success)
+        if success:
+            self._reporter.ended((True, frozenset(ks)), WRITE_DURATION, "cpu")
+        else:
+            self._forget(ks)
+        self._dispatch()  # write-through starts now, not at the end of the step
+        self._drain()
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_schedule_end(self, context: Any) -> None:
+        self._drain()
+        self._dispatch()
+        self._write_statistics()
+
+    def has_pending_work(self) -> bool:
+        # Lookups waiting on a read or probe, and tier writes in flight: vLLM
+        # keeps stepping until they end, so their outcomes (rows unpinned,
+        # statistics and metrics) are taken in, as vLLM's own tiers do.
+        self._drain()
+        return self._chain.busy
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """The KV cache events since the last call, oldest first (see the module's Notes).
+
+        Empty unless vLLM enabled KV cache events. A key is announced removed
+        from a medium only after it was announced stored there.
+        """
+        self._drain()
+        if not self._events:
+            return []
+        out = list(self._events)
+        self._events.clear()
+        self._event_keys = 0
+        return out
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """kvtier's metrics since the last call, for vLLM's /metrics (see :mod:`kvtier.metrics`).
+
+        vLLM's scheduler calls it at every step and sends what it returns to
+        its front-end process, which adds each counter's value to its
+        Prometheus counter, sets each gauge and observes each duration: so
+        counters are reported as their increase since the last call, gauges
+        when they changed, and None when nothing did.
+        """
+        self._drain()
+        if not self._changed:
+            return None
+        self._changed = False
+        stats = OffloadingConnectorStats()
+        self._reporter.report(self._metrics(), stats)
+        return None if stats.is_empty() else stats
+
+    def reset_cache(self) -> None:
+        self._drain()
+        self._changed = True
+        try:
+            self._chain.cpu.reset()
+        except BusyError:
+            log.warning("reset_cache: blocks are being loaded or stored; nothing was reset")
+            return
+        self._pull_cpu_events()
+        self._forget(list(self._names))
+
+    def shutdown(self) -> None:
+        """Wait for tier writes in flight (30 s at most), close the tiers and the region."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + 30.0
+        self._drain()
+        self._dispatch()
+        while self._chain.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self._drain()
+            self._dispatch()
+        self._write_statistics(force=True)
+        try:
+            for name, tier in reversed(list(zip(self._tier_names, self._tiers, strict=True))):
+                try:
+                    self._loop.run(tier.aclose(), timeout=60.0)
+                except Exception:
+                    log.exception("closing kvtier's %s tier failed", name)
+        finally:
+            self._loop.stop()
+            self._region.close()
+
+    # -- kvtier's side ------------------------------------------------------------------
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters of this front and of the chain, and every tier's own statistics.
+
+        ``tiers`` maps each tier's name (``cpu``, then the lower tiers in
+        order) to the chain's counts for it; ``cpu`` and each lower tier's
+        name (``file``, ``cluster``) to that tier's own record. The flat
+        counters keep their names of earlier releases. ``metrics`` holds the
+        totals of kvtier's Prometheus metrics under their names (metric name,
+        then label values joined by commas: see :func:`kvtier.metrics.as_json`).
+        """
+        chain = self._chain.statistics()
+        lower = [chain.tiers[name] for name in self._tier_names]
+        out: dict[str, Any] = dict(self._n)
+        out.update(
+            lookups=chain.lookups,
+            lookup_hits=chain.tiers["cpu"].lookup_hits,
+            store_refusals=chain.store_refusals,
+            deadline_misses=chain.deadline_misses,
+            promotions=sum(t.blocks_out for t in lower),
+            promotion_failures=sum(t.read_failures for t in lower),
+            file_writes=chain.tiers["file"].blocks_in if "file" in chain.tiers else 0,
+            write_through_failures=sum(t.write_failures for t in lower),
+            rows_held_by_writes=chain.rows_held_by_writes,
+            tiers={name: asdict(counts) for name, counts in chain.tiers.items()},
+            cpu=asdict(self._chain.cpu.statistics()),
+            metrics=as_json(self._metrics()),
+        )
+        out["file"] = None
+        for name, tier in zip(self._tier_names, self._tiers, strict=True):
+            # A snapshot of counters another thread updates: each field is read
+            # atomically under the GIL; the record as a whole may be a step stale.
+            out[name] = asdict(tier.statistics())  # type: ignore[call-overload]
+        return out
+
+    def _metrics(self) -> Samples:
+        """Every metric of this front now, as totals (docs/operations.md, "Metrics")."""
+        chain = self._chain.statistics()
+        counts = chain.tiers
+        tiers: dict[str, TierMetrics] = {
+            "cpu": tier_metrics(
+                self._chain.cpu.statistics(),
+                counts["cpu"],
+                row_bytes=self._row_bytes,
+                store_refusals=chain.store_refusals,
+            )
+        }
+        for name, tier in zip(self._tier_names, self._tiers, strict=True):
+            # A record of counters the loop thread updates, read from this one as
+            # statistics() does: each field atomically under the GIL.
+            c = counts[name]
+            tiers[name] = tier_metrics(
+                tier.statistics(),
+                c,
+                row_bytes=self._row_bytes,
+                read_failures=c.read_failures,
+                write_failures=c.write_failures,
+            )
+        return samples(
+            tiers,
+            {
+                (LOOKUPS.name, ()): chain.lookups,
+                (DEADLINE_MISSES.name, ()): chain.deadline_misses,
+                (EVENTS_PUBLISHED.name, ()): self._n["events_published"],
+                (EVENTS_DROPPED.name, ()): self._n["events_dropped"],
+            },
+        )
+
+    def _key(self, key: OffloadKey) -> bytes:
+        return offload_key_to_kvtier(bytes(key), self._ns)
+
+    def _refused(self, count: int, offered: int) -> None:
+        """Log the first refusal with the sizing rule (the chain counts them)."""
+        if self._chain.statistics().store_refusals != count:
+            return
+        log.warning(
+            "kvtier's CPU tier (%d rows of %d bytes, cpu_bytes_to_use=%d) could not take "
+            "%d of the %d blocks one scheduler step offered%s. Give it at least twice the "
+            "rows one step stores (max_num_batched_tokens / (block_size x "
+            "blocks_per_chunk)): rows held by tier writes in flight are not reusable "
+            "until the write ends. See docs/vllm.md, 'Sizing the CPU tier'. Logged once; "
+            "refusals are counted as store_refusals",
+            self._chain.cpu.capacity,
+            self._region.row_stride,
+            int(self._config.cpu_bytes_to_use),
+            count,
+            offered or count,
+            "" if not offered else " (the leading ones were stored)",
+        )
+
+    def _forget(self, keys: Iterable[bytes]) -> None:
+        """Drop the names of blocks that no tier holds under a name any more."""
+        cpu, chain = self._chain.cpu, self._chain
+        for k in keys:
+            if k not in cpu and k not in self._announced_file and not chain.is_waiting(k):
+                self._names.pop(k, None)
+
+    def _publish(self, keys: list[bytes], medium: Medium, removed: bool) -> None:
+        """Queue one event for the named ``keys`` (a bounded queue: see the module)."""
+        events = self._events
+        if events is None:
+            return
+        file = medium is Medium.STORAGE
+        if file and removed:
+            keys = [k for k in keys if k in self._announced_file]
+            self._announced_file.difference_update(keys)
+        names = [self._names[k] for k in keys if k in self._names]
+        if file and not removed:
+            self._announced_file.update(k for k in keys if k in self._names)
+        if not names:
+            return
+        events.append(
+            OffloadingEvent(
+                keys=names,
+                medium=medium,
+                removed=removed,
+                locality=Locality.LOCAL if file else None,
+                ownership=_FILE_OWNER if file else None,
+                # The file tier announces its removals itself.
+                removal_expected=file and not removed,
+            )
+        )
+        self._n["events_published"] += len(names)
+        self._event_keys += len(names)
+        while self._event_keys > MAX_PENDING_EVENT_KEYS and len(events) > 1:
+            old = events.popleft()
+            self._event_keys -= len(old.keys)
+            if not self._n["events_dropped"]:
+                log.warning(
+                    "kvtier's KV cache events are not being taken: dropping the oldest "
+                    "(more than %d keys queued)",
+                    MAX_PENDING_EVENT_KEYS,
+                )
+            self._n["events_dropped"] += len(old.keys)
+
+    def _translate(self, events: Iterable[ManagerEvent], medium: Medium) -> None:
+        for ev in events:
+            removed = isinstance(ev, BlockRemoved)
+            self._publish(list(ev.keys), medium, removed)
+            if removed:
+                self._forget(ev.keys)
+
+    def _pull_cpu_events(self) -> None:
+        if self._events is not None:
+            self._translate(self._chain.cpu.take_events(), Medium.CPU)
+
+    def _dispatch(self) -> None:
+        """Hand the chain's intents to the loop thread (one wake-up for all of them)."""
+        intents = self._chain.take_intents()
+        if intents:
+            self._loop.soon(self._carry_out, intents)
+
+    def _drain(self) -> None:
+        """Apply what the loop thread handed back, in order: outcomes, the file tier's events."""
+        outcomes, chain = self._outcomes, self._chain
+        while outcomes:
+            item = outcomes.popleft()
+            self._changed = True
+            if isinstance(item, _TierEvents):
+                self._translate(item.events, Medium.STORAGE)
+                continue
+            chain.settle(item)
+            if isinstance(item, ReadDone):
+                self._forget([k for k in item.intent.keys if k not in item.loaded])
+        self._pull_cpu_events()
+
+    # Loop thread only.
+
+    def _carry_out(self, intents: list[Intent]) -> None:
+        for intent in intents:
+            if isinstance(intent, Write | Read):  # timed until their outcome is posted
+                self._reporter.began(id(intent))
+            self._driver.carry_out(intent)
+
+    def _post_outcome(self, outcome: Outcome) -> None:
+        if isinstance(outcome, Written | ReadDone):
+            metric = WRITE_DURATION if isinstance(outcome, Written) else READ_DURATION
+            name = self._tier_names[outcome.intent.tier]
+            self._reporter.ended(id(outcome.intent), metric, name)
+        self._outcomes.append(outcome)
+
+    def _after_tier_call(self, index: int) -> None:
+        # The file tier's residency belongs to this thread: its events are taken
+        # here, after each operation, and handed over with the outcome.
+        if index == self._event_tier and self._events is not None:
+            tier = self._tiers[index]
+            if isinstance(tier, Announces) and (events := tier.take_events()):
+                self._outcomes.append(_TierEvents(events))
+
+    async def _seed_async(self, index: int, tier: Recovers) -> None:
+        await tier.wait_recovered()
+        self._driver.seed(index, tier.take_recovered_keys())
+
+    def _seed(self, index: int, tier: Recovers) -> None:
+        self._loop.loop.create_task(self._seed_async(index, tier))
+
+    def _write_statistics(self, force: bool = False) -> None:
+        path = self._settings.statistics_file
+        if path is None:
+            return
+        text = json.dumps(self.statistics(), default=str, sort_keys=True)
+        if text == self._last_stats and not force:
+            return
+        self._last_stats = text
+        self._loop.soon(_write_atomic, str(path), text)
+
+
+_ANSWERS = {
+    Answer.HIT: LookupResult.HIT,
+    Answer.PENDING: LookupResult.HIT_PENDING,
+    Answer.RETRY: LookupResult.RETRY,
+    Answer.MISS: LookupResult.MISS,
+}
+
+
+def _describe(tier: Tier) -> str:
+    """One line on an open tier for the start-up log: what its record says of its set-up."""
+    record = asdict(tier.statistics())  # type: ignore[call-overload]
+    shown = ("io_engine", "queue_depth", "direct_io", "capacity_bytes", "recovered_blocks")
+    return ", ".join(f"{k} {record[k]}" for k in shown if k in record) or "open"
+
+
+@dataclass(frozen=True, slots=True)
+class _TierEvents:
+    """The file tier's residency events of one operation, handed over in order with it."""
+
+    events: list[ManagerEvent]
+
+
+async def _recovered(tier: Recovers) -> list[bytes]:
+    return tier.take_recovered_keys()
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot write kvtier statistics to %s: %s", path, exc)
