@@ -31,7 +31,7 @@ async def test_quick_demo_hits_both_tiers_and_passes_every_check(tmp_path: Path)
     assert sum(v.blocks_loaded for v in verdicts if v is not None) > 0
     assert sum(r.loaded_tokens for r in result.records) > 0
     for r in result.records:
-        # Every request that loaded a prefix has its floor, below its recompute's work.
+        # Every request that loaded a prefix has its floor, and only those.
         assert (r.floor_s > 0) == (r.loaded_tokens > 0), r
 
 

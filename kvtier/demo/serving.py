@@ -466,7 +466,7 @@ class _ServingLoop:
                     t[:, bad].zero_()
             # Checked while this request holds the blocks: nothing else writes
             # them, and its prefill only writes the blocks after them.
-            digests = await asyncio.to_thread(self._digests, ids, 0, loaded)
+            digests = await asyncio.to_thread(self._digests, ids, 0, loaded) if loaded else []
             wrong = sum(
                 not self._ledger.matches(k, d)
                 for k, d in zip(usable[:loaded], digests, strict=True)
