@@ -209,7 +209,8 @@ class DemoResult:
         worst = max(verdicts, key=lambda v: v.logits_difference, default=None)
         if worst is None:
             return 0.0, 0.0
-        return worst.logits_difference, worst.logits_difference / worst.logits_scale
+        scale = worst.logits_scale or math.inf  # all-zero logits: no share to give
+        return worst.logits_difference, worst.logits_difference / scale
 
 
 Progress = Callable[[Literal["served", "verified"], RequestRecord, int, int], None]
