@@ -37,6 +37,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     if any(v is not None and v < 1 for v in (args.conversations, args.turns, args.concurrency)):
         raise InvalidArgumentError("--conversations, --turns and --concurrency must be positive")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise InvalidArgumentError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
     settings = DemoSettings.quick() if args.quick else DemoSettings()
     workload = settings.workload
     for name in ("conversations", "turns", "seed"):
@@ -48,6 +50,7 @@ def _demo(args: argparse.Namespace) -> int:
         concurrency=args.concurrency or settings.concurrency,
         tmp_parent=args.dir,
         corrupt_one_block=args.corrupt_one_block,
+        metrics_port=args.metrics_port,
     )
     console = Console()
     if not console.is_terminal:  # a pipe or a file: do not squeeze the tables into 80 columns
@@ -69,6 +72,8 @@ def _demo(args: argparse.Namespace) -> int:
             highlight=False,
             soft_wrap=True,
         )
+        if sizes.metrics_url is not None:
+            console.print(f"metrics: {sizes.metrics_url}", highlight=False, soft_wrap=True)
 
     if console.is_terminal:
         result = _demo_live(console, settings, total, opened)
@@ -450,6 +455,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="zero one loaded KV block, as a tier returning wrong bytes would, to see the "
         "check of loaded blocks fail (exit status 1)",
+    )
+    demo.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve the engine's Prometheus metrics on http://127.0.0.1:PORT/metrics while "
+        "the demo runs (0: a free port; needs kvtier[metrics])",
     )
     demo.set_defaults(func=_demo)
 

@@ -12,7 +12,7 @@ import torch
 from kvtier.cli import main
 from kvtier.demo.check import LOGITS_RTOL, BlockLedger, block_digest, judge
 from kvtier.demo.model import TILE, DemoModel
-from kvtier.demo.serving import DemoSettings, run_demo
+from kvtier.demo.serving import DemoSettings, TierSizes, run_demo
 
 
 async def test_quick_demo_hits_both_tiers_and_passes_every_check(tmp_path: Path) -> None:
@@ -145,3 +145,31 @@ def test_prefill_on_cached_kv_equals_recompute_bit_for_bit(split: int, suffix: i
     assert torch.equal(logits, expected)
     for got, want in zip(cache, full, strict=True):
         assert torch.equal(got[:, blocks:], want)
+
+
+async def test_the_demo_serves_its_engines_metrics(tmp_path: Path) -> None:
+    """``--metrics-port``: a real HTTP scrape while the demo serves."""
+    import threading
+    import urllib.request
+
+    scraped: list[str] = []
+
+    def scrape(url: str) -> None:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            scraped.append(resp.read().decode())
+
+    threads: list[threading.Thread] = []
+
+    def opened(sizes: TierSizes) -> None:
+        assert sizes.metrics_url is not None
+        # From another thread: the scrape's snapshot is taken on this loop.
+        threads.append(threading.Thread(target=scrape, args=(sizes.metrics_url,)))
+        threads[0].start()
+
+    settings = replace(DemoSettings.quick(), tmp_parent=tmp_path, metrics_port=0)
+    result = await run_demo(settings, opened=opened)
+    threads[0].join(30)
+    assert result.mismatches == 0
+    (text,) = scraped
+    assert 'kvtier_capacity_bytes{tier="cpu"}' in text
+    assert 'kvtier_capacity_bytes{tier="file"}' in text

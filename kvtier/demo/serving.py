@@ -24,11 +24,12 @@ nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -86,6 +87,10 @@ class DemoSettings:
     """Test hook: zero one loaded device block of the first request that loads
     any, as a tier returning wrong bytes would; the check of loaded blocks
     must catch it, and the demo fail."""
+    metrics_port: int | None = None
+    """Serve the engine's Prometheus metrics on ``http://127.0.0.1:PORT/metrics``
+    while the demo runs (0: a free port); None: no server. Needs
+    ``kvtier[metrics]``."""
 
     @classmethod
     def quick(cls) -> DemoSettings:
@@ -124,6 +129,8 @@ class TierSizes:
     """Bytes reserved by the file tier."""
     file_root: str
     """The file tier's (temporary) directory."""
+    metrics_url: str | None = None
+    """Where the engine's metrics are served while the demo runs, or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +303,22 @@ def _size(settings: DemoSettings, conversations: Sequence[Conversation]) -> tupl
     return len(keys), -(-longest // settings.block_tokens), -(-longest // offload)
 
 
+@contextlib.asynccontextmanager
+async def _metrics(engine: Engine, port: int | None) -> AsyncIterator[str | None]:
+    """The engine's metrics on 127.0.0.1:``port`` while the block runs (its URL), or None."""
+    if port is None:
+        yield None
+        return
+    from kvtier.metrics import serve_metrics
+
+    server, _thread = serve_metrics(engine, port)
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/metrics"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 async def run_demo(
     settings: DemoSettings,
     progress: Progress | None = None,
@@ -363,7 +386,10 @@ async def run_demo(
                 file_tier=FileTierConfig(root=root, bytes_to_use=file_bytes),
             )
             started = time.perf_counter()
-            async with await Engine.open(config, layout, kv) as engine:
+            async with (
+                await Engine.open(config, layout, kv) as engine,
+                _metrics(engine, settings.metrics_port) as metrics_url,
+            ):
                 at_open = read_statistics(engine.statistics())
                 sizes = TierSizes(
                     workload_blocks=workload_blocks,
@@ -373,6 +399,7 @@ async def run_demo(
                     cpu_bytes=cpu_rows * row_bytes,
                     file_bytes=file_bytes,
                     file_root=str(root),
+                    metrics_url=metrics_url,
                 )
                 if opened is not None:
                     opened(sizes)
