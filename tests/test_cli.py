@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from kvtier._inspect import inspect_root
 from kvtier.cli import main
+from kvtier.cli._inspect import inspect_root
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.tiers.block_format import HEADER_BYTES, BlockHeader, checksum, encode_header
 

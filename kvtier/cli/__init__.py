@@ -179,7 +179,7 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (try 2MiB)") from None
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _run_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
@@ -188,7 +188,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"block sizes must be positive multiples of 4096, got {bad}")
     if any(d < 1 for d in args.queue_depth) or args.repeat < 1 or args.total <= 0:
         raise InvalidArgumentError("queue depths, --repeat and --total must be positive")
-    from kvtier._bench import BenchSettings, run_bench
+    from kvtier.cli._bench import BenchSettings, run_bench
 
     settings = BenchSettings(
         block_sizes=tuple(args.block_size),
@@ -247,12 +247,12 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _inspect(args: argparse.Namespace) -> int:
+def _run_inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    from kvtier._inspect import inspect_root
+    from kvtier.cli._inspect import inspect_root
 
     if args.cluster is not None:
         return _inspect_cluster(args)
@@ -316,7 +316,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _inspect_cluster(args: argparse.Namespace) -> int:
-    from kvtier._cluster_inspect import config_from_cli, inspect_cluster, render
+    from kvtier.cli._cluster_inspect import config_from_cli, inspect_cluster, render
 
     config = config_from_cli(
         args.cluster,
@@ -502,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     bench.add_argument("--no-fio", action="store_true", help="do not run fio even if installed")
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
-    bench.set_defaults(func=_bench)
+    bench.set_defaults(func=_run_bench)
 
     insp = sub.add_parser(
         "inspect",
@@ -532,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="read every block and check its namespace, length and payload checksum",
     )
     insp.add_argument("--json", action="store_true", help="print the report as JSON")
-    insp.set_defaults(func=_inspect)
+    insp.set_defaults(func=_run_inspect)
 
     gc = sub.add_parser(
         "gc",
@@ -582,7 +582,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())
