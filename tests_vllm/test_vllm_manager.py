@@ -7,6 +7,7 @@ vLLM's scheduler drives it, in this process (no model, no worker).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -201,3 +202,32 @@ def test_the_namespace_follows_the_model_not_its_path(model_dir: Path, tmp_path:
     assert namespace(model_dir) == namespace(link)
     assert namespace(model_dir, model_revision="v1") == namespace(tmp_path, model_revision="v1")
     assert namespace(model_dir) != namespace(model_dir, model_revision="v1")
+
+
+def test_config_info_fills_the_labels_the_spec_declares(tmp_path: Path) -> None:
+    """``vllm:kv_offload_config_info`` (vLLM 0.33): one series, every label declared."""
+    from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
+
+    extra = {"file_tier": {"root": str(tmp_path / "kv"), "bytes_to_use": "8MiB"}}
+    spec = KVTierOffloadingSpec(offloading_config(extra=extra))
+    manager = spec.get_manager()
+    try:
+        (info,) = manager.config_info()
+    finally:
+        manager.shutdown()
+    assert set(info) == set(KVTierOffloadingSpec.config_info_keys(dict(spec.config.extra_config)))
+    assert info["kvtier_cpu_rows"] == 8
+    assert info["kvtier_tiers"] == "cpu,file"
+    assert info["kvtier_file_io_engine"] in ("io_uring", "threads")
+
+
+def test_the_interface_under_test_is_the_one_asked_for() -> None:
+    """``make test-vllm`` runs this file again over vLLM 0.33's ``kv_offload`` classes."""
+    from vllm.v1.kv_offload.base import OffloadingManager, OffloadingWorker
+
+    wanted = os.environ.get("KVTIER_VLLM_INTERFACE", "0.32")
+    # 0.33 added the manager's lock and the worker's expedited loads.
+    newer = "lock" in OffloadingManager.__dict__
+    assert newer == (wanted == "0.33"), (wanted, OffloadingManager.__module__)
+    if newer:
+        assert "expedited" in OffloadingWorker.submit_load.__code__.co_varnames

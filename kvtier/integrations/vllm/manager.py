@@ -67,6 +67,7 @@ from kvtier.tier_driver import TierDriver
 from kvtier.tiers.base import Announces, Recovers, Tier
 
 __all__ = [
+    "CONFIG_INFO_KEYS",
     "MAX_PENDING_EVENT_KEYS",
     "KVTierOffloadingManager",
 ]
@@ -80,6 +81,18 @@ vLLM takes them every scheduler step, which keeps the queue short; when nobody
 takes them the oldest events are dropped (counted as ``events_dropped``)."""
 
 _FILE_OWNER = "kvtier-file"
+
+CONFIG_INFO_KEYS = (
+    "kvtier_cpu_rows",
+    "kvtier_row_bytes",
+    "kvtier_tiers",
+    "kvtier_lookup_deadline_s",
+    "kvtier_file_io_engine",
+    "kvtier_file_queue_depth",
+    "kvtier_file_direct_io",
+)
+"""The labels of ``vllm:kv_offload_config_info`` that
+:meth:`KVTierOffloadingManager.config_info` fills (vLLM 0.33)."""
 
 
 class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
@@ -367,6 +380,29 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             self._region.close()
 
     # -- kvtier's side ------------------------------------------------------------------
+
+    def config_info(self) -> list[dict[str, str | int | float | bool]]:
+        """Static facts of this instance for ``vllm:kv_offload_config_info`` (vLLM 0.33).
+
+        One series, labelled by :data:`CONFIG_INFO_KEYS`: the CPU tier's rows
+        and their size, the chain, the lookup deadline, and the file tier's
+        I/O engine, queue depth and O_DIRECT as chosen at open (empty
+        without a file tier).
+        """
+        info: dict[str, str | int | float | bool] = {
+            "kvtier_cpu_rows": self._chain.cpu.capacity,
+            "kvtier_row_bytes": self._region.row_stride,
+            "kvtier_tiers": ",".join(["cpu", *self._tier_names]),
+            "kvtier_lookup_deadline_s": self._settings.lookup_deadline_s,
+        }
+        if "file" in self._tier_names:
+            st = asdict(self._tiers[self._tier_names.index("file")].statistics())  # type: ignore[call-overload]
+            info.update(
+                kvtier_file_io_engine=st["io_engine"],
+                kvtier_file_queue_depth=st["queue_depth"],
+                kvtier_file_direct_io=st["direct_io"],
+            )
+        return [info]
 
     def statistics(self) -> dict[str, Any]:
         """Counters of this front and of the chain, and every tier's own statistics.

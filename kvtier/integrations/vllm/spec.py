@@ -81,7 +81,11 @@ from kvtier.integrations.vllm._common import (
     offload_key_to_kvtier,
     row_layout,
 )
-from kvtier.integrations.vllm.manager import MAX_PENDING_EVENT_KEYS, KVTierOffloadingManager
+from kvtier.integrations.vllm.manager import (
+    CONFIG_INFO_KEYS,
+    MAX_PENDING_EVENT_KEYS,
+    KVTierOffloadingManager,
+)
 from kvtier.integrations.vllm.settings import VLLMSettings, parse_extra_config
 from kvtier.integrations.vllm.worker import KVTierOffloadingWorker, group_segments
 from kvtier.metrics import (
@@ -146,6 +150,15 @@ class KVTierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
             holder=rank is not None,
             alignment=cfg.row_alignment,
         )
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """The labels of ``vllm:kv_offload_config_info`` kvtier fills (vLLM 0.33 asks).
+
+        :meth:`KVTierOffloadingManager.config_info` gives their values; vLLM
+        0.32 calls neither.
+        """
+        return CONFIG_INFO_KEYS
 
     @classmethod
     def build_metric_definitions(
