@@ -98,7 +98,7 @@ SHAPES = {
     # The model of earlier runs: 16 KiB of KV per token, a suffix of almost a block.
     "default": Shape(512, 8, 8, 4, 1536, BLOCK - 1, "2GiB"),
     # Loading matters: 64 KiB of KV per token, little compute besides attention.
-    "load-heavy": Shape(512, 16, 8, 8, 256, 16, "3GiB"),
+    "load-heavy": Shape(512, 16, 8, 8, 256, 16, "2GiB"),
 }
 
 
