@@ -556,8 +556,12 @@ class _ThreadedTransfer(DeviceTransfer):
         on the thread that received the job and its answer leaves from there,
         with no hop through an event loop and a copy thread (see
         docs/architecture.md). Arguments as for :meth:`store` and :meth:`load`.
-        At most one thread per direction: copies of one direction share a
-        stream (CUDA) or a helper pool (CPU).
+        On CUDA, at most one thread per direction: copies of one direction
+        share a stream. On the CPU backend a second caller is safe beside the
+        copier's own threads (the Engine copies requests of at most
+        :data:`kvtier.engine.INLINE_COPY_BYTES` on its loop's thread): only
+        requests of 4 MiB or more use a direction's helper pool, a thread
+        pool that queues the shares of concurrent requests.
 
         Raises
         ------
