@@ -42,7 +42,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvtier.manager import ResidencyManager, StorePlan
 
@@ -295,11 +295,6 @@ class Chain:
 
     # -- what the front asks -------------------------------------------------------------
 
-    @property
-    def lower(self) -> tuple[LowerTier, ...]:
-        """The tiers below the CPU region, highest first."""
-        return tuple(t.spec for t in self._lower)
-
     def lookup(self, key: bytes) -> Answer:
         """Where ``key`` can be served from now; queues a read or a probe when it helps."""
         self._lookups += 1
@@ -417,7 +412,7 @@ class Chain:
             self._settle_read(outcome)
         elif isinstance(outcome, Probed):
             tier = self._lower[outcome.intent.tier]
-            tier.learn(outcome.present, self._known_limit)
+            tier.learn(outcome.present, self._limit(tier))
             now, absent = self._clock(), tier.absent
             for k in outcome.intent.keys:
                 if k not in outcome.present:
@@ -436,9 +431,9 @@ class Chain:
 
     def statistics(self) -> ChainStatistics:
         """A snapshot of the counters."""
-        tiers = {"cpu": TierCounts(**_fields(self._cpu_counts))}
+        tiers = {"cpu": replace(self._cpu_counts)}  # copies: the snapshot does not move
         for t in self._lower:
-            tiers[t.spec.name] = TierCounts(**_fields(t.counts))
+            tiers[t.spec.name] = replace(t.counts)
         return ChainStatistics(
             tiers=tiers,
             lookups=self._lookups,
@@ -450,10 +445,6 @@ class Chain:
     def is_waiting(self, key: bytes) -> bool:
         """Whether a lookup of ``key`` waits on a read or a probe."""
         return key in self._waiting or key in self._to_read
-
-    def knows(self, tier: int, key: bytes) -> bool:
-        """Whether lower tier ``tier`` holds ``key`` as far as this instance knows."""
-        return key in self._lower[tier].known
 
     # -- inside --------------------------------------------------------------------------
 
@@ -545,7 +536,3 @@ class Chain:
                 pins[k] = left
             else:
                 del pins[k]
-
-
-def _fields(counts: TierCounts) -> dict[str, int]:
-    return {name: getattr(counts, name) for name in TierCounts.__dataclass_fields__}

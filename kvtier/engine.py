@@ -1467,14 +1467,15 @@ class Engine:
     def statistics(self) -> EngineStatistics:
         """A consistent snapshot of every tier's state and traffic."""
         n = self._n
-        cpu = TierReport(self._cpu.statistics(), self._t_cpu.freeze())
+        cpu_stats = self._cpu.statistics()
+        cpu = TierReport(cpu_stats, self._t_cpu.freeze())
         tiers: dict[str, TierReport] = {"cpu": cpu}
         for link in self._chain:  # by name: each tier reports its own record
             tiers[link.name] = TierReport(link.tier.statistics(), link.traffic.freeze())
         file, cluster = tiers.get("file"), tiers.get("cluster")
         return EngineStatistics(
             tiers=MappingProxyType(tiers),
-            cpu=self._cpu.statistics(),
+            cpu=cpu_stats,
             cpu_traffic=cpu.traffic,
             file=cast("FileTierStatistics", file.statistics) if file else None,
             file_traffic=file.traffic if file else None,

@@ -5,6 +5,7 @@ See :mod:`kvtier.integrations.vllm.spec` for how the two sides meet.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import json
@@ -160,6 +161,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             ("stores", "loads", "loaded_blocks", "events_published", "events_dropped"), 0
         )
         self._last_stats = ""
+        self._refusal_logged = False
         # kvtier's metrics for vLLM (get_stats): totals turned into increases,
         # and how long each tier's jobs took.
         self._reporter = DeltaReporter()
@@ -174,7 +176,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             if not isinstance(tier, Recovers):
                 continue
             if tier.recovering:  # the scan goes on: its blocks join when it ends
-                loop.soon(self._seed, i, tier)
+                asyncio.run_coroutine_threadsafe(self._seed(i, tier), loop.loop)
             else:  # found at open: known before vLLM's first lookup
                 keys = loop.run(_recovered(tier))
                 self._chain.settle(TierChanged(i, added=tuple(keys)))
@@ -476,8 +478,9 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def _refused(self, count: int, offered: int) -> None:
         """Log the first refusal with the sizing rule (the chain counts them)."""
-        if self._chain.statistics().store_refusals != count:
+        if self._refusal_logged:
             return
+        self._refusal_logged = True
         log.warning(
             "kvtier's CPU tier (%d rows of %d bytes, cpu_bytes_to_use=%d) could not take "
             "%d of the %d blocks one scheduler step offered%s. Give it at least twice the "
@@ -592,12 +595,10 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             if isinstance(tier, Announces) and (events := tier.take_events()):
                 self._outcomes.append(_TierEvents(events))
 
-    async def _seed_async(self, index: int, tier: Recovers) -> None:
+    async def _seed(self, index: int, tier: Recovers) -> None:
+        # A failed recovery leaves the tier empty; it logs why itself.
         await tier.wait_recovered()
         self._driver.seed(index, tier.take_recovered_keys())
-
-    def _seed(self, index: int, tier: Recovers) -> None:
-        self._loop.loop.create_task(self._seed_async(index, tier))
 
     def _write_statistics(self, force: bool = False) -> None:
         path = self._settings.statistics_file
