@@ -180,6 +180,15 @@ class FileTierConfig(_Frozen):
     recently used first, until the namespace being opened has the whole budget
     less what open namespaces hold; ``off``: keep them, and open with what is
     left (a warning names who holds what)."""
+    instances: int = Field(default=1, ge=1, le=256)
+    """Live instances (processes, engines) that share this root at once: each
+    opens its own partition of the namespace and takes at most
+    ``bytes_to_use // instances`` of the budget, and every instance reads the
+    blocks any other stored (``docs/file-tier.md``, "Sharing a root")."""
+    peer_poll_s: float = Field(default=0.02, gt=0, le=10)
+    """How often the blocks other instances sharing the root stored (or
+    dropped) are picked up: a block is found by the other instances' lookups
+    within about this many seconds of its write's completion."""
     recovery: RecoveryMode = "foreground"
     """How an existing slot file is read back at open. ``foreground``: open returns
     once every block is known (about 1-2 s per 100 000 blocks here);

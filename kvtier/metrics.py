@@ -159,7 +159,10 @@ class TierMetrics:
     """Blocks evicted from this tier to make room."""
     vanished_blocks_total: int | None = None
     """Cluster tier: blocks it was known to hold that were gone when read
-    (evicted by the server, removed by a peer)."""
+    (evicted by the server, removed by a peer). File tier: blocks of other
+    instances' partitions rewritten or evicted by their owner while read."""
+    peer_blocks: int | None = None
+    """File tier: blocks the other instances sharing its root hold, readable here."""
     resident_blocks: int | None = None
     """Blocks held now (ready or being written; the cluster tier: those this
     instance knows to be there)."""
@@ -204,6 +207,7 @@ _HELP = {
     "quarantined_blocks_total": "Slots of this tier quarantined (bad data or another namespace's).",
     "evictions_total": "Blocks evicted from this tier to make room.",
     "vanished_blocks_total": "Blocks this tier was known to hold, gone when read.",
+    "peer_blocks": "Blocks other instances sharing this tier's root hold, readable here.",
     "resident_blocks": "Blocks held by this tier now.",
     "pinned_blocks": "Blocks of this tier held by loads or writes in flight.",
     "used_bytes": "Bytes of this tier holding blocks.",
@@ -404,6 +408,8 @@ def tier_metrics(
             recovery_torn_slots=own.torn_slots,
             recovery_seconds=own.recovery_seconds,
             recovery_state=own.recovery,
+            vanished_blocks_total=own.peer_stale,
+            peer_blocks=own.peer_blocks,
         )
     elif isinstance(own, ClusterTierStatistics):
         figures.update(

@@ -63,7 +63,8 @@ class NamespaceReport:
     """What one namespace directory of a root holds."""
 
     namespace: str
-    """The namespace (directory name, 32 hex characters)."""
+    """The namespace directory's name: the namespace (32 hex characters), then
+    ``.<n>`` for partition ``n`` of a root shared by live instances."""
     description: dict[str, Any] | None
     """Contents of ``namespace.json`` (None when missing, unreadable or of the
     wrong shape: then ``bad`` says which field)."""
@@ -246,7 +247,7 @@ def _inspect_namespace(ns: NamespaceUsage, verify: bool) -> NamespaceReport:
         )
         return report
     report.slot_bytes = desc.slot_bytes
-    _scan(report, dat, desc.slot_bytes, desc.block_bytes, bytes.fromhex(ns_dir.name), verify)
+    _scan(report, dat, desc.slot_bytes, desc.block_bytes, bytes.fromhex(desc.namespace), verify)
     return report
 
 

@@ -29,7 +29,7 @@ tier (:class:`~kvtier.errors.ClosedError`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -45,6 +45,7 @@ __all__ = [
     "StoreResult",
     "Tier",
     "TierStatistics",
+    "Watched",
 ]
 
 
@@ -150,6 +151,22 @@ class Announces(Protocol):
 
     def take_events(self) -> list[ManagerEvent]:
         """Residency events since the last call (blocks stored, evicted, quarantined)."""
+        ...
+
+
+@runtime_checkable
+class Watched(Protocol):
+    """A tier whose blocks change without this instance's doing, and that says so.
+
+    The file tier on a root shared by live instances: the other instances'
+    blocks become loadable (and stop being so) as they store and evict. A
+    scheduler side that mirrors the tier's residency on another thread
+    (:class:`~kvtier.chain.Chain`) follows them through a listener.
+    """
+
+    def watch(self, listener: Callable[[Sequence[bytes], Sequence[bytes]], None]) -> None:
+        """Call ``listener(added, removed)`` on the tier's loop as such blocks come and go,
+        first with every such block known now."""
         ...
 
 

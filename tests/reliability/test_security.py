@@ -102,6 +102,7 @@ async def test_keys_never_name_paths_outside_the_root(tmp_path: Path) -> None:
         "namespace.json",
         "lock",
         "blocks.dat",
+        "index",
         "tmp",
         "quarantine",
     }

@@ -110,3 +110,26 @@ def test_bad_arguments_raise() -> None:
         _blocks.seal(bytes(HEADER_BYTES), KEY, NS, 0, 0, 0)  # read-only
     with pytest.raises(TypeError):
         _blocks.verify(page, "not bytes", NS, b"")
+
+
+def test_no_module_holds_the_python_fallbacks_once_the_helper_is_built() -> None:
+    # A fresh interpreter: which module imports block_format first decides
+    # nothing. A module that bound a name with ``from block_format import``
+    # during block_format's own import (it loads the helper from inside the
+    # file package) would keep the pure-Python function for ever.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvtier, kvtier.tiers.file, kvtier.tiers.cluster, kvtier.cli\n"
+        "from kvtier.tiers import block_format as f\n"
+        "slow = {id(getattr(f, n)) for n in dir(f) if n.endswith('_py')}\n"
+        "bad = [f'{m}.{n}' for m, mod in list(sys.modules.items()) if m.startswith('kvtier')\n"
+        "       and m != 'kvtier.tiers.block_format'\n"
+        "       for n, v in vars(mod).items() if id(v) in slow]\n"
+        "bad += [n for n in ('verify_reaped', 'seal_headers', 'verify_block', 'seal_header')\n"
+        "        if id(getattr(f, n)) in slow]\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

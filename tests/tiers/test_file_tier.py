@@ -30,7 +30,6 @@ from kvtier.config import FileTierConfig
 from kvtier.errors import (
     AlignmentError,
     BlockNotFoundError,
-    BusyError,
     CapacityError,
     ClosedError,
     DirectIOUnsupportedError,
@@ -294,6 +293,7 @@ async def test_store_load_round_trip(open_tier: OpenTier, engine_kind: EngineKin
         assert before <= header.stored_at <= int(time.time())
     assert sorted(p.name for p in tier.path.iterdir()) == [
         "blocks.dat",
+        "index",
         "lock",
         "namespace.json",
         "quarantine",
@@ -703,9 +703,9 @@ async def test_a_bug_in_a_worker_call_fails_its_blocks_and_the_tier_goes_on(
 
     Payloads are checksummed a few MiB per call: the blocks of that call fail.
     """
-    import kvtier.tiers.file._pipeline as ft
+    from kvtier.tiers import block_format as ft
 
-    real, calls = ft.checksums, [0]  # type: ignore[attr-defined]
+    real, calls = ft.checksums, [0]
 
     def flaky(views: list[memoryview]) -> list[int]:
         calls[0] += 1
@@ -1073,11 +1073,16 @@ async def test_legacy_format_1_directory_is_discarded(
     assert_disk_matches(tier, [k])
 
 
-async def test_second_open_of_same_namespace_is_busy(open_tier: OpenTier) -> None:
+async def test_second_open_without_room_is_refused(open_tier: OpenTier) -> None:
+    # A second live tier opens a partition of its own (tests/tiers/test_shared_root.py);
+    # with the whole budget held by the first (instances=1), none fits.
     tier = await open_tier()
-    with pytest.raises(BusyError):
+    with pytest.raises(CapacityError, match="instances"):
         await open_tier()
     # The refused open touched nothing: the first tier still works.
+    assert sorted(p.name for p in tier.path.parent.iterdir()) == sorted(
+        ["kvtier.lock", tier.path.name]
+    )
     ks = keys(1)
     assert (await tier.store(ks, pattern_rows(ks).rows())).stored == tuple(ks)
     assert data_file(tier).stat().st_size == 16 * FILE

@@ -11,9 +11,11 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # type: ignore[import-not-found]
@@ -65,7 +67,7 @@ from kvtier.metrics import (
 )
 from kvtier.region import CPURegion
 from kvtier.tier_driver import TierDriver
-from kvtier.tiers.base import Announces, Recovers, Tier
+from kvtier.tiers.base import Announces, Recovers, Tier, Watched
 
 __all__ = [
     "CONFIG_INFO_KEYS",
@@ -180,6 +182,15 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             else:  # found at open: known before vLLM's first lookup
                 keys = loop.run(_recovered(tier))
                 self._chain.settle(TierChanged(i, added=tuple(keys)))
+        # Blocks other instances store on a shared file-tier root: their changes
+        # are folded per key on the loop thread (an idle vLLM drains nothing, so
+        # a queue of them would grow with the peers' traffic) and taken here.
+        self._peer_lock = threading.Lock()
+        self._peer_changes: dict[int, dict[bytes, bool]] = {}
+        for i, tier in enumerate(tiers):
+            if isinstance(tier, Watched):
+                loop.run(_watch(tier, partial(self._peers_changed, i)))
+        self._drain()
 
     @classmethod
     def open(
@@ -561,6 +572,18 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def _drain(self) -> None:
         """Apply what the loop thread handed back, in order: outcomes, the file tier's events."""
         outcomes, chain = self._outcomes, self._chain
+        if self._peer_changes:
+            with self._peer_lock:
+                changes, self._peer_changes = self._peer_changes, {}
+            for index, keys in changes.items():
+                chain.settle(
+                    TierChanged(
+                        index,
+                        added=tuple(k for k, there in keys.items() if there),
+                        removed=tuple(k for k, there in keys.items() if not there),
+                    )
+                )
+            self._changed = True
         while outcomes:
             item = outcomes.popleft()
             self._changed = True
@@ -586,6 +609,14 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             name = self._tier_names[outcome.intent.tier]
             self._reporter.ended(id(outcome.intent), metric, name)
         self._outcomes.append(outcome)
+
+    def _peers_changed(self, index: int, added: Sequence[bytes], removed: Sequence[bytes]) -> None:
+        with self._peer_lock:
+            keys = self._peer_changes.setdefault(index, {})
+            for k in removed:
+                keys[k] = False
+            for k in added:
+                keys[k] = True
 
     def _after_tier_call(self, index: int) -> None:
         # The file tier's residency belongs to this thread: its events are taken
@@ -631,6 +662,12 @@ class _TierEvents:
     """The file tier's residency events of one operation, handed over in order with it."""
 
     events: list[ManagerEvent]
+
+
+async def _watch(
+    tier: Watched, listener: Callable[[Sequence[bytes], Sequence[bytes]], None]
+) -> None:
+    tier.watch(listener)
 
 
 async def _recovered(tier: Recovers) -> list[bytes]:

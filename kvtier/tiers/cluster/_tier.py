@@ -49,8 +49,9 @@ from kvtier.errors import (
 )
 from kvtier.keys import KEY_BYTES, check_keys
 from kvtier.layout import KVLayout
+from kvtier.tiers import block_format
 from kvtier.tiers.base import LoadResult, StoreResult, Tier
-from kvtier.tiers.block_format import HEADER_BYTES, HeaderError, checksum, decode_header_fields
+from kvtier.tiers.block_format import HEADER_BYTES, HeaderError, decode_header_fields
 from kvtier.tiers.block_format import encode_header_fields as _encode
 from kvtier.tiers.cluster._reader import BulkError
 from kvtier.transfer.completion import Completion
@@ -461,7 +462,9 @@ class ClusterTier(Tier):
 
     def _value(self, key: bytes, payload: memoryview, stamp: int) -> Parts:
         header = memoryview(bytearray(HEADER_BYTES))
-        _encode(header, key, self._namespace, self._block_bytes, checksum(payload), stamp)
+        _encode(
+            header, key, self._namespace, self._block_bytes, block_format.checksum(payload), stamp
+        )
         return self._parts(header, payload)
 
     # -- load ---------------------------------------------------------------------------
@@ -583,7 +586,7 @@ class ClusterTier(Tier):
             )
         if hkey != key or nbytes != self._block_bytes:
             return IntegrityError("header names another block or size", where)
-        if checksum(payload) != pcheck:
+        if block_format.checksum(payload) != pcheck:
             return IntegrityError("payload checksum mismatch", where)
         return None
 

@@ -29,11 +29,14 @@ __all__ = [
     "FORMAT_NAME",
     "LAYOUT_KIND",
     "MAX_BLOCK_BYTES",
+    "MAX_PARTITIONS",
     "TIER_FORMAT_VERSION",
     "Description",
     "is_namespace_name",
     "parse_description",
+    "partition_dir_name",
     "read_description",
+    "split_dir_name",
 ]
 
 DESCRIPTION_FILE = "namespace.json"
@@ -73,8 +76,36 @@ class Description:
 
 
 def is_namespace_name(name: str) -> bool:
-    """Whether ``name`` is what kvtier names a namespace directory (32 lowercase hex)."""
+    """Whether ``name`` is a namespace (32 lowercase hex)."""
     return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+
+
+MAX_PARTITIONS = 256
+"""Partitions of one namespace on a root: live instances sharing it at once, at most."""
+
+
+def partition_dir_name(namespace: str, partition: int) -> str:
+    """The directory of ``partition`` of ``namespace``: the namespace, then ``.<n>`` past 0.
+
+    Partition 0 keeps the plain name, so a root written before partitions
+    existed is partition 0 of each of its namespaces.
+    """
+    return namespace if partition == 0 else f"{namespace}.{partition}"
+
+
+def split_dir_name(name: str) -> tuple[str, int] | None:
+    """``(namespace, partition)`` of a directory kvtier names, or None for any other name."""
+    namespace, dot, number = name.partition(".")
+    if not is_namespace_name(namespace):
+        return None
+    if not dot:
+        return namespace, 0
+    # One spelling per partition (no "01", no "0"), so that two names never
+    # mean one partition.
+    if not number.isdigit() or not number.isascii() or number[0] == "0":
+        return None
+    n = int(number)
+    return (namespace, n) if n < MAX_PARTITIONS else None
 
 
 def read_description(path: Path) -> Description | None:

@@ -40,13 +40,18 @@ from kvtier.tiers.file._description import (
     DESCRIPTION_FILE,
     FORMAT_NAME,
     LAYOUT_KIND,
+    MAX_PARTITIONS,
     TIER_FORMAT_VERSION,
     Description,
+    partition_dir_name,
     read_description,
+    split_dir_name,
 )
+from kvtier.tiers.file._index import INDEX_FILE
 from kvtier.tiers.file._root import (
     DATA_FILE,
     NAMESPACE_LOCK,
+    allocated,
     data_cost,
     delete_namespace_files,
     disk_usage,
@@ -193,25 +198,30 @@ def prepare(config: FileTierConfig, layout: KVLayout, block_bytes: int, alignmen
         undone and its descriptors are closed.
     """
     root = Path(config.root)
-    ns_dir = root / layout.namespace.hex()
     slot_bytes = HEADER_BYTES + block_bytes
     budget = int(config.bytes_to_use)
     text = _description_text(layout, block_bytes, alignment)
-    undo = Undo(ns_dir)
     fds: list[int] = []
+    ns_dir, lock_fd = _pick_partition(root, layout.namespace.hex())
+    undo = Undo(ns_dir)
     try:
-        exists = _check_dir(ns_dir)
+        exists = lock_fd is not None
         desc: Description | None = None
-        if exists:
+        if lock_fd is not None:
+            fds.append(lock_fd)
             for sub in _SUBDIRS:
                 _check_dir(ns_dir / sub)
-            fds.append(_lock(ns_dir))
             desc = _check_description(ns_dir, layout, block_bytes)
             _clean_tmp(ns_dir)
         usage = scan_root(root, probe=True, skip=ns_dir.name)
         unit = usage.unit
         own = disk_usage(ns_dir) if exists else 0
-        own_meta = own - _allocated(ns_dir / DATA_FILE) - _files_usage(ns_dir / "quarantine")
+        own_meta = (
+            own
+            - allocated(ns_dir / DATA_FILE)
+            - allocated(ns_dir / INDEX_FILE)
+            - _files_usage(ns_dir / "quarantine")
+        )
         metadata = max(own_meta, metadata_estimate(len(text), unit))
         share = plan_share(
             usage,
@@ -220,6 +230,7 @@ def prepare(config: FileTierConfig, layout: KVLayout, block_bytes: int, alignmen
             metadata=metadata,
             reclaim=config.reclaim == "lru",
             namespace=ns_dir.name,
+            instances=config.instances,
         )
         slots = share.slots
         _check_free_space(root, metadata + data_cost(slots, slot_bytes, unit) - own, budget, slots)
@@ -249,7 +260,11 @@ def prepare(config: FileTierConfig, layout: KVLayout, block_bytes: int, alignmen
             taken = _allocated_fd(data_fd)
             over = max(0, taken - file_allowance(slots, slot_bytes, unit))
             meta_now = max(
-                metadata, disk_usage(ns_dir) - taken - _files_usage(ns_dir / "quarantine")
+                metadata,
+                disk_usage(ns_dir)
+                - taken
+                - allocated(ns_dir / INDEX_FILE)
+                - _files_usage(ns_dir / "quarantine"),
             )
             if meta_now + data_cost(slots, slot_bytes, unit) + over <= share.room:
                 break
@@ -286,20 +301,13 @@ def _check_free_space(root: Path, need: int, budget: int, slots: int) -> None:
         )
 
 
-def _allocated(path: Path) -> int:
-    try:
-        return os.lstat(path).st_blocks * 512
-    except OSError:
-        return 0
-
-
 def _allocated_fd(fd: int) -> int:
     return os.fstat(fd).st_blocks * 512
 
 
 def _files_usage(path: Path) -> int:
     """Bytes of the files directly in ``path`` (quarantine copies), not the directory."""
-    return max(0, disk_usage(path) - _allocated(path))
+    return max(0, disk_usage(path) - allocated(path))
 
 
 def _check_dir(path: Path) -> bool:
@@ -334,6 +342,37 @@ def _make_dir(path: Path) -> bool:
     return True
 
 
+def _pick_partition(root: Path, namespace: str) -> tuple[Path, int | None]:
+    """The partition of ``namespace`` to open: the first existing one that no live
+    tier holds (its lock taken, returned), else a new one (no lock yet).
+
+    Called under the root lock: partitions are created and removed under it,
+    so two tiers opening at once get two partitions.
+    """
+    try:
+        names = os.listdir(root)
+    except OSError as exc:
+        raise TierIOError(exc.errno or 0, f"cannot list the root: {exc.strerror}", root) from exc
+    taken: set[int] = set()
+    for name in names:
+        parsed = split_dir_name(name)
+        if parsed is not None and parsed[0] == namespace:
+            taken.add(parsed[1])
+    for n in sorted(taken):
+        path = root / partition_dir_name(namespace, n)
+        if not _check_dir(path):
+            continue
+        with contextlib.suppress(BusyError):
+            return path, _lock(path)
+    free = next((n for n in range(MAX_PARTITIONS) if n not in taken), None)
+    if free is None:
+        raise BusyError(
+            f"every one of the {MAX_PARTITIONS} partitions of namespace {namespace} under "
+            f"{root} is open in a live file tier"
+        )
+    return root / partition_dir_name(namespace, free), None
+
+
 def _lock(ns_dir: Path) -> int:
     path = ns_dir / NAMESPACE_LOCK
     try:
@@ -362,7 +401,9 @@ def _check_description(ns_dir: Path, layout: KVLayout, block_bytes: int) -> Desc
         )
         shutil.rmtree(ns_dir / "blocks", ignore_errors=True)
         return None
-    if desc is not None and (desc.block_bytes != block_bytes or desc.namespace != ns_dir.name):
+    if desc is not None and (
+        desc.block_bytes != block_bytes or desc.namespace != layout.namespace.hex()
+    ):
         raise NamespaceMismatchError(
             f"{ns_dir} holds blocks of {desc.block_bytes} bytes for namespace {desc.namespace}; "
             f"this tier has {block_bytes}-byte blocks for namespace {layout.namespace.hex()}"

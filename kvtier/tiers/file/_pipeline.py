@@ -56,6 +56,7 @@ from kvtier.errors import (
     TierIOError,
 )
 from kvtier.manager import LoadPlan, ResidencyManager
+from kvtier.tiers import block_format
 from kvtier.tiers.base import LoadResult, StoreResult
 from kvtier.tiers.block_format import (
     HEADER_BYTES,
@@ -65,10 +66,7 @@ from kvtier.tiers.block_format import (
     VERIFY_NAMESPACE,
     VERIFY_TRANSFER,
     HeaderError,
-    checksums,
     decode_header_fields,
-    seal_headers,
-    verify_reaped,
 )
 from kvtier.tiers.file._quarantine import Quarantine
 from kvtier.tiers.file._slots import SlotFile
@@ -344,6 +342,11 @@ class Pipeline:
             return done
         file_slot = self._slots.file_slot
         to_write = {k: file_slot[s] for k, s in zip(plan.keys, plan.slots, strict=True)}
+        # Withdrawn before their writes start: other instances stop looking
+        # for what the slots held (a read racing the write fails verification).
+        withdraw = self._slots.index.withdraw
+        for written in to_write.values():
+            withdraw(written)
         evicted = tuple(plan.evicted)
         self.evictions += len(evicted)
         job = _Job(
@@ -371,7 +374,9 @@ class Pipeline:
         self._summing += len(ops)
         views = [op.view for op in ops]
         self._worker.submit(
-            lambda: checksums(views), lambda sums, e: self._summed(ops, sums, e), at_once=True
+            lambda: block_format.checksums(views),
+            lambda sums, e: self._summed(ops, sums, e),
+            at_once=True,
         )
 
     def _summed(self, ops: list[_BlockOp], sums: list[int] | None, exc: Exception | None) -> None:
@@ -509,8 +514,12 @@ class Pipeline:
     ) -> None:
         """Reads of ``run`` reaped: verify them, then settle every block."""
         # Verified here, as soon as the reads are reaped and before any block
-        # is reported: no caller ever sees an unchecked block.
-        bad = verify_reaped(run.pages, run.keys, self._namespace, run.views, done, self._file_bytes)
+        # is reported: no caller ever sees an unchecked block. (block_format's
+        # helpers are called through the module: it binds the compiled ones
+        # last, after this module may have been imported during its import.)
+        bad = block_format.verify_reaped(
+            run.pages, run.keys, self._namespace, run.views, done, self._file_bytes
+        )
         if bad:
             outcomes = {i: (nbytes, exc) for i, nbytes, exc in done}
             failures: list[tuple[int, KVTierError]] = []
@@ -642,7 +651,7 @@ class Pipeline:
     def _submit_stores(self, ops: list[_BlockOp]) -> None:
         """Hand ``ops`` to the engine as one batch: header page and payload per block."""
         run = _Run(ops, self._pages.take_many(len(ops)))
-        seal_headers(
+        block_format.seal_headers(
             run.pages,
             run.keys,
             self._namespace,
@@ -704,6 +713,7 @@ class Pipeline:
         keys = [op.key for op in ops]
         self._pages.give_many([op.page for op in ops if op.page is not None])
         self._manager.complete_store(keys, success=True)
+        self._slots.index.publish_many([op.slot for op in ops], keys)
         self.stores += len(ops)
         self.bytes_written += len(ops) * self._block_bytes
         self._slots.released_many(keys)
@@ -785,6 +795,7 @@ class Pipeline:
         key = op.key
         self._manager.complete_store([key], success=err is None)
         if err is None:
+            self._slots.index.publish(op.slot, key)
             self.stores += 1
             self.bytes_written += self._block_bytes
         else:

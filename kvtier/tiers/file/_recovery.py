@@ -269,6 +269,7 @@ class Recovery:
             if slot < 0:
                 mapping[mslot] = next(free)
         self._slots.file_slot = mapping
+        self._slots.index.rebuild({found[key][1]: key for key in order})
         self.recovered = len(order)
         self.keys = tuple(order)
 

@@ -49,7 +49,9 @@ from kvtier.tiers.file._description import (
     Description,
     is_namespace_name,
     read_description,
+    split_dir_name,
 )
+from kvtier.tiers.file._index import INDEX_FILE, index_bytes
 
 __all__ = [
     "DATA_FILE",
@@ -60,6 +62,7 @@ __all__ = [
     "NamespaceUsage",
     "RootUsage",
     "Share",
+    "allocated",
     "allocation_unit",
     "collect",
     "data_cost",
@@ -130,13 +133,16 @@ def data_cost(slots: int, slot_bytes: int, unit: int) -> int:
     -------
     int
         The slot file rounded up to whole units, its extent bookkeeping (one
-        unit plus 48 bytes a slot) and :func:`quarantine_keep` whole-slot
-        copies; 0 for no slot.
+        unit plus 48 bytes a slot), its ``index`` (32 bytes a slot, see
+        :mod:`kvtier.tiers.file._index`) and :func:`quarantine_keep`
+        whole-slot copies; 0 for no slot.
     """
     if slots <= 0:
         return 0
-    return file_allowance(slots, slot_bytes, unit) + quarantine_keep(slots) * round_up(
-        slot_bytes, unit
+    return (
+        file_allowance(slots, slot_bytes, unit)
+        + round_up(index_bytes(slots), unit)
+        + quarantine_keep(slots) * round_up(slot_bytes, unit)
     )
 
 
@@ -178,6 +184,14 @@ def allocation_unit(path: Path) -> int:
         return max(4096, os.statvfs(path).f_frsize)
     except OSError:
         return 4096
+
+
+def allocated(path: Path) -> int:
+    """Bytes allocated to the file ``path`` itself (0 when it does not exist)."""
+    try:
+        return os.lstat(path).st_blocks * 512
+    except OSError:
+        return 0
 
 
 def disk_usage(path: Path) -> int:
@@ -236,6 +250,8 @@ class NamespaceUsage:
     """``st_size`` of ``blocks.dat`` (0 when absent)."""
     quarantine_bytes: int
     """Bytes allocated to the files in ``quarantine/``."""
+    index_bytes: int
+    """Bytes allocated to ``index`` (counted by :func:`data_cost`)."""
     last_used: float | None
     """When a tier last opened or closed it (its ``lock`` file's mtime, else
     ``namespace.json``'s), seconds since the epoch; None when unknown."""
@@ -257,7 +273,7 @@ class NamespaceUsage:
         desc = self.description
         if not self.open or desc is None or desc.slot_bytes is None:
             return self.disk_bytes
-        meta = self.disk_bytes - self.data_bytes - self.quarantine_bytes
+        meta = self.disk_bytes - self.data_bytes - self.quarantine_bytes - self.index_bytes
         slots = self.data_size // desc.slot_bytes
         return max(self.disk_bytes, meta + data_cost(slots, desc.slot_bytes, unit))
 
@@ -318,7 +334,7 @@ def scan_root(root: Path, *, probe: bool, skip: str | None = None) -> RootUsage:
         path = root / name
         if name == skip:
             continue
-        if not is_namespace_name(name) or not _is_real_dir(path):
+        if split_dir_name(name) is None or not _is_real_dir(path):
             other += disk_usage(path)
             continue
         namespaces.append(_measure(path, probe))
@@ -334,7 +350,7 @@ def _measure(path: Path, probe: bool) -> NamespaceUsage:
         problem = str(exc)
     if desc is None and problem is None:
         problem = f"no {DESCRIPTION_FILE}"
-    elif desc is not None and desc.namespace != path.name:
+    elif desc is not None and desc.namespace != (split_dir_name(path.name) or ("",))[0]:
         problem = f"{DESCRIPTION_FILE} names namespace {desc.namespace}"
     data = path / DATA_FILE
     try:
@@ -356,6 +372,7 @@ def _measure(path: Path, probe: bool) -> NamespaceUsage:
         data_bytes=data_bytes,
         data_size=data_size,
         quarantine_bytes=_tree_usage(str(path / "quarantine")),
+        index_bytes=allocated(path / INDEX_FILE),
         last_used=last,
         open=probe_open(path) if probe else None,
     )
@@ -452,8 +469,8 @@ def remove_namespace(ns: NamespaceUsage) -> int:
 
     Only a directory recognized as kvtier's (``ns.removable``) is touched,
     and in it only what kvtier writes: ``blocks.dat`` first (so that a crash
-    part way leaves a directory still recognized, and reclaimed later), the
-    files of ``tmp/`` and ``quarantine/``, a format 1 ``blocks/`` tree, then
+    part way leaves a directory still recognized, and reclaimed later),
+    ``index``, the files of ``tmp/`` and ``quarantine/``, a format 1 ``blocks/`` tree, then
     ``namespace.json`` and ``lock``, and the directories once empty. Anything
     else stays, with the directory around it, and is logged. Every step goes
     through descriptors opened with ``O_NOFOLLOW``: a symlink is never
@@ -509,6 +526,7 @@ def delete_namespace_files(ns_dir: Path) -> bool:
         return False
     try:
         _unlink(dfd, DATA_FILE)
+        _unlink(dfd, INDEX_FILE)
         for sub in ("tmp", "quarantine"):
             _empty_dir(dfd, sub, lambda _name: True)
         _remove_legacy_blocks(dfd)
@@ -619,6 +637,7 @@ def plan_share(
     metadata: int,
     reclaim: bool,
     namespace: str,
+    instances: int = 1,
 ) -> Share:
     """Give a namespace being opened its share of the root's budget.
 
@@ -641,6 +660,9 @@ def plan_share(
         Remove namespaces not open when the share is less than wanted.
     namespace
         Its name, for messages.
+    instances
+        Live instances the root is shared by (``FileTierConfig.instances``):
+        a partition takes at most ``budget // instances``.
 
     Raises
     ------
@@ -654,10 +676,14 @@ def plan_share(
         (ns for ns in usage.namespaces if ns.removable), key=lambda ns: ns.last_used or 0.0
     )
     held = usage.other_bytes + sum(ns.held_bytes(unit) for ns in kept)
-    wanted = slots_within(budget - held - metadata, slot_bytes, unit)
+    # Fair share: each of ``instances`` live partitions gets an equal part of
+    # the budget (the root's own bytes come out of the first's).
+    cap = budget // instances - (usage.other_bytes if instances > 1 else 0)
+    most = slots_within(cap - metadata, slot_bytes, unit)
+    wanted = min(most, slots_within(budget - held - metadata, slot_bytes, unit))
 
     def room() -> int:
-        return budget - held - sum(ns.disk_bytes for ns in idle)
+        return min(cap, budget - held - sum(ns.disk_bytes for ns in idle))
 
     def slots_now() -> int:
         return slots_within(room() - metadata, slot_bytes, unit)
@@ -681,12 +707,20 @@ def plan_share(
             held += disk_usage(ns.path)
     slots = slots_now()
     if slots < 1:
+        shared = any(ns.open for ns in kept)
         raise CapacityError(
             f"bytes_to_use ({budget}) of the file tier root {usage.root} leaves no room for "
-            f"one slot of {slot_bytes} bytes for namespace {namespace}: "
-            f"{_holders(usage.other_bytes, kept, idle, unit, reclaim)}"
+            f"one slot of {slot_bytes} bytes for namespace {namespace}"
+            + (f" (at most 1/{instances} of it per instance)" if instances > 1 else "")
+            + f": {_holders(usage.other_bytes, kept, idle, unit, reclaim)}"
+            + (
+                "; live instances sharing a root split its budget by the file tier's "
+                "`instances` (each takes at most bytes_to_use // instances)"
+                if shared
+                else ""
+            )
         )
-    full = slots_within(budget - usage.other_bytes - metadata, slot_bytes, unit)
+    full = min(most, slots_within(budget - usage.other_bytes - metadata, slot_bytes, unit))
     if slots < full:
         log.warning(
             "file tier: namespace %s gets %d slots (%d bytes) of bytes_to_use %d, not %d: %s",

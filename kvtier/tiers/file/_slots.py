@@ -26,6 +26,7 @@ from pathlib import Path
 
 from kvtier.manager import ResidencyManager
 from kvtier.tiers.block_format import HEADER_BYTES
+from kvtier.tiers.file._index import SlotIndex
 from kvtier.tiers.file._root import DATA_FILE
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine
@@ -99,6 +100,8 @@ class SlotFile:
         """File slots whose header is being zeroed, with the writes waiting for it."""
         self._zero_when_free: dict[bytes, int] = {}
         """Forgotten blocks still read by a load: their slot is zeroed after the last."""
+        self.index = SlotIndex(ns_dir, self.slots)
+        """The keys of the slots, published for the other instances sharing the root."""
 
     @property
     def clearing(self) -> bool:
@@ -151,6 +154,7 @@ class SlotFile:
         """Overwrite a slot's header with zeros (a free slot), ordered before its next write."""
         if slot in self._zeroing:
             return
+        self.index.withdraw(slot)
         self._zeroing[slot] = []
         try:
             done = self._engine.writev(
@@ -175,6 +179,7 @@ class SlotFile:
 
     def close(self) -> None:
         """Release the zero page and close the descriptors (the flock goes with the lock's)."""
+        self.index.close()
         with contextlib.suppress(BufferError):
             self._zero_page.close()
         with contextlib.suppress(OSError):

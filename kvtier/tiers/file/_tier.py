@@ -70,6 +70,7 @@ from kvtier.tiers.base import LoadResult, StoreResult, Tier
 from kvtier.tiers.block_format import HEADER_BYTES
 from kvtier.tiers.file._description import LAYOUT_KIND, TIER_FORMAT_VERSION
 from kvtier.tiers.file._namespace import Prepared, prepare, undo_under_root_lock
+from kvtier.tiers.file._peers import RESCAN_S, Peers
 from kvtier.tiers.file._pipeline import Pipeline
 from kvtier.tiers.file._quarantine import Quarantine
 from kvtier.tiers.file._recovery import Recovery
@@ -171,6 +172,18 @@ class FileTierStatistics:
     registered_bytes: int = 0
     """Memory registered with the I/O engine by :meth:`FileTier.register_memory`
     (the caller's buffers and the tier's header pages); 0 when none is."""
+    partition: str = ""
+    """This tier's partition of the namespace (its directory's name): the
+    namespace, then ``.<n>`` for the second and later live instances."""
+    peer_partitions: int = 0
+    """Other partitions of the namespace on the root (other instances, live or not)."""
+    peer_blocks: int = 0
+    """Blocks the other partitions hold, as their indexes say."""
+    peer_hits: int = 0
+    """Blocks loaded from other partitions, verified (also in ``hits``)."""
+    peer_stale: int = 0
+    """Reads from other partitions that found the slot rewritten or cleared by
+    its owner meanwhile: misses, not damage (also in ``misses``)."""
 
 
 class FileTier(Tier):
@@ -259,6 +272,22 @@ class FileTier(Tier):
             namespace=layout.namespace,
             settle=self._settle,
         )
+        self._peers = Peers(
+            root=ns_dir.parent,
+            namespace=layout.namespace,
+            own=ns_dir.name,
+            block_bytes=block_bytes,
+            alignment=alignment if direct_fallback is None else None,
+            engine=engine,
+        )
+        self._peer_reads = 0
+        self._peer_misses = 0
+        self._watchers: list[Callable[[Sequence[bytes], Sequence[bytes]], None]] = []
+        self._next_scan = 0.0
+        self._peers.scan()
+        self._peers.poll()
+        self._peers.take_changes()  # what is there now: watch() hands it over whole
+        self._tick_handle = self._loop.call_later(config.peer_poll_s, self._tick)
 
     # -- opening ------------------------------------------------------------------------
 
@@ -503,15 +532,58 @@ class FileTier(Tier):
         await self._recovery.wait()
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """Length of the longest prefix of ``keys`` that is ready here; no I/O."""
-        return self._manager.lookup(keys)
+        """Length of the longest prefix of ``keys`` that is ready here; no I/O.
+
+        Blocks of other instances sharing the root count (see :meth:`watch`).
+        """
+        n = self._manager.lookup(keys)
+        peers, ready = self._peers, self._manager.is_ready
+        if n < len(keys) and peers.blocks:
+            for key in keys[n:]:
+                if key not in peers and not ready(key):
+                    break
+                n += 1
+        return n
 
     def __contains__(self, key: object) -> bool:
-        return key in self._manager
+        return key in self._manager or key in self._peers
 
     def is_ready(self, key: bytes) -> bool:
-        """True when ``key``'s block is complete and may be loaded."""
-        return self._manager.is_ready(key)
+        """True when ``key``'s block is complete and may be loaded (here or in another
+        instance's partition of the root)."""
+        return self._manager.is_ready(key) or key in self._peers
+
+    def watch(self, listener: Callable[[Sequence[bytes], Sequence[bytes]], None]) -> None:
+        """Call ``listener(added, removed)`` as other instances' blocks come and go.
+
+        ``listener`` is called on the tier's loop: at once with every block
+        the other partitions of the root hold now, then, every
+        ``peer_poll_s``, with the keys that became loadable from them and
+        those that stopped being so (keys this tier holds itself are left
+        out of ``removed``). It must not raise or block.
+        """
+        self._watchers.append(listener)
+        listener(self._peers.keys(), ())
+
+    def _tick(self) -> None:
+        """Pick up what other instances published (every ``peer_poll_s``; rescans every second)."""
+        peers = self._peers
+        now = self._loop.time()
+        if now >= self._next_scan:
+            self._next_scan = now + RESCAN_S
+            peers.scan()
+        peers.poll()
+        added, removed = peers.take_changes()
+        if (added or removed) and self._watchers:
+            ready = self._manager.is_ready
+            removed = [k for k in removed if not ready(k)]
+            for listener in self._watchers:
+                try:
+                    listener(added, removed)
+                except Exception:  # a listener's bug must not stop the polling
+                    log.exception("file tier: a watch listener failed")
+        if not self._closed:
+            self._tick_handle = self._loop.call_later(self._config.peer_poll_s, self._tick)
 
     def slot_of(self, key: bytes) -> int | None:
         """The slot of ``blocks.dat`` holding ``key`` (ready or being written), or None.
@@ -552,8 +624,8 @@ class FileTier(Tier):
             blocks=blocks,
             block_bytes=slots.block_bytes,
             file_bytes=slots.file_bytes,
-            hits=pipeline.hits,
-            misses=pipeline.misses,
+            hits=pipeline.hits + self._peers.hits,
+            misses=pipeline.misses + self._peer_misses,
             stores=pipeline.stores,
             store_failures=pipeline.store_failures,
             evictions=pipeline.evictions,
@@ -572,6 +644,11 @@ class FileTier(Tier):
             recovery_seconds=recovery.seconds,
             torn_slots=recovery.torn,
             registered_bytes=self._registered,
+            partition=slots.dir.name,
+            peer_partitions=self._peers.partitions,
+            peer_blocks=self._peers.blocks,
+            peer_hits=self._peers.hits,
+            peer_stale=self._peers.stale,
         )
 
     def register_memory(self, buffers: Sequence[object]) -> int:
@@ -668,7 +745,41 @@ class FileTier(Tier):
         """
         views = self._check_call(keys, buffers, writable=True)
         where = "file tier" if self._recovery.state == "complete" else self._recovery.text()
-        return self._pipeline.load(keys, views, where)
+        peers, own = self._peers, self._manager
+        theirs = (
+            [i for i, k in enumerate(keys) if k in peers and k not in own] if peers.blocks else []
+        )
+        if not theirs:
+            return self._pipeline.load(keys, views, where)
+        # Blocks of other instances' partitions: read and verified beside ours.
+        mine = sorted(set(range(len(keys))) - set(theirs))
+        parts = [
+            self._pipeline.load([keys[i] for i in mine], [views[i] for i in mine], where),
+            peers.load([keys[i] for i in theirs], [views[i] for i in theirs]),
+        ]
+        done: Completion[LoadResult] = Completion(self._loop)
+        self._peer_reads += 1
+        order = tuple(keys)
+
+        def ended(_c: Completion[LoadResult]) -> None:
+            if not all(p.done() for p in parts):
+                return
+            self._peer_reads -= 1
+            loaded: set[bytes] = set()
+            missing: dict[bytes, KVTierError] = {}
+            for p in parts:
+                result = p.result()
+                loaded.update(result.loaded)
+                missing.update(result.missing)
+            self._peer_misses += len(parts[1].result().missing)
+            done.set_result(
+                LoadResult(loaded=tuple(k for k in order if k in loaded), missing=missing)
+            )
+            self._check_idle()
+
+        for p in parts:
+            p.add_done_callback(ended)
+        return done
 
     # -- removal and closing ------------------------------------------------------------
 
@@ -702,6 +813,7 @@ class FileTier(Tier):
         """
         first = not self._closed
         self._closed = True
+        self._tick_handle.cancel()
         await self._recovery.stop()
         if self._busy_now():
             if self._idle is None:
@@ -716,6 +828,7 @@ class FileTier(Tier):
             self._engine.unregister_memory(self)
         self._registered = 0
         self._pipeline.close()
+        self._peers.close()
         self._slots.close()
 
     async def __aenter__(self) -> FileTier:
@@ -767,7 +880,12 @@ class FileTier(Tier):
         return views
 
     def _busy_now(self) -> bool:
-        return self._pipeline.busy or self._slots.clearing or self._quarantine.busy
+        return (
+            self._pipeline.busy
+            or self._slots.clearing
+            or self._quarantine.busy
+            or bool(self._peer_reads)
+        )
 
     def _check_idle(self) -> None:
         idle = self._idle
