@@ -81,6 +81,31 @@ def _timed(llm: Any, tokens: list[int]) -> tuple[Result, float]:
     return out, time.monotonic() - t0
 
 
+def test_a_restarted_instance_reuses_what_the_cluster_holds(
+    model_dir: Path, cluster: ValkeyCluster, baseline: dict[str, Result], tmp_path: Path
+) -> None:
+    # Runs before the node faults below (the cluster is whole). Its own tenant
+    # prefix: nothing the other test stores is seen here, nor the reverse.
+    extra = {
+        **_extra(cluster, tmp_path / "first.json"),
+        "cluster_tier": {
+            **_extra(cluster, tmp_path / "first.json")["cluster_tier"],
+            "tenant_prefix": "restart",
+        },
+    }
+    with instance(model_dir, extra) as first:
+        _same(generate(first, A), baseline["A"])
+    # The instance is gone (its CPU tier with it); the one started in its place
+    # finds the prefix in the cluster.
+    again = {**extra, "statistics_file": str(tmp_path / "again.json")}
+    with instance(model_dir, again) as restarted:
+        got = generate(restarted, B)
+        _same(got, baseline["B"])
+        assert got.num_cached_tokens == SHARED
+    st = read_statistics(tmp_path / "again.json")
+    assert st["tiers"]["cluster"]["lookup_hits"] >= SHARED // 128
+
+
 def test_a_fleet_shares_a_prefix_and_survives_node_faults(
     model_dir: Path, cluster: ValkeyCluster, baseline: dict[str, Result], tmp_path: Path
 ) -> None:

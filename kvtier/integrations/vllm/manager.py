@@ -171,6 +171,8 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         # Whether a figure may have changed since the last get_stats: most
         # steps (decoding) change none, and then cost no snapshot at all.
         self._changed = True
+        self._tier_stats: list[Any] = loop.run(_statistics(tiers))
+        """Each lower tier's latest statistics record (see :meth:`_snapshot`)."""
         self._driver = TierDriver(
             tiers, self._tier_names, region, self._post_outcome, self._after_tier_call
         )
@@ -229,8 +231,9 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             region.row_stride,
             int(settings.config.cpu_bytes_to_use),
         )
-        for (name, _spec), tier in zip(settings.config.chain, tiers, strict=True):
-            log.info("kvtier: %s tier: %s", name, _describe(tier))
+        records = loop.run(_statistics(tiers))
+        for (name, _spec), record in zip(settings.config.chain, records, strict=True):
+            log.info("kvtier: %s tier: %s", name, _describe(record))
         return cls(settings, layout, region, loop, tiers, enable_events=enable_events)
 
     # -- vLLM's OffloadingManager -------------------------------------------------------
@@ -409,7 +412,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             "kvtier_lookup_deadline_s": self._settings.lookup_deadline_s,
         }
         if "file" in self._tier_names:
-            st = asdict(self._tiers[self._tier_names.index("file")].statistics())  # type: ignore[call-overload]
+            st = asdict(self._tier_stats[self._tier_names.index("file")])
             info.update(
                 kvtier_file_io_engine=st["io_engine"],
                 kvtier_file_queue_depth=st["queue_depth"],
@@ -445,10 +448,8 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             metrics=as_json(self._metrics()),
         )
         out["file"] = None
-        for name, tier in zip(self._tier_names, self._tiers, strict=True):
-            # A snapshot of counters another thread updates: each field is read
-            # atomically under the GIL; the record as a whole may be a step stale.
-            out[name] = asdict(tier.statistics())  # type: ignore[call-overload]
+        for name, record in zip(self._tier_names, self._tier_stats, strict=True):
+            out[name] = asdict(record)
         return out
 
     def _metrics(self) -> Samples:
@@ -463,12 +464,10 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 store_refusals=chain.store_refusals,
             )
         }
-        for name, tier in zip(self._tier_names, self._tiers, strict=True):
-            # A record of counters the loop thread updates, read from this one as
-            # statistics() does: each field atomically under the GIL.
+        for name, record in zip(self._tier_names, self._tier_stats, strict=True):
             c = counts[name]
             tiers[name] = tier_metrics(
-                tier.statistics(),
+                record,
                 c,
                 row_bytes=self._row_bytes,
                 read_failures=c.read_failures,
@@ -611,6 +610,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._outcomes.append(outcome)
 
     def _peers_changed(self, index: int, added: Sequence[bytes], removed: Sequence[bytes]) -> None:
+        self._snapshot(index)
         with self._peer_lock:
             keys = self._peer_changes.setdefault(index, {})
             for k in removed:
@@ -618,7 +618,14 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             for k in added:
                 keys[k] = True
 
+    def _snapshot(self, index: int) -> None:
+        # Each tier's record is taken on the loop thread that owns the tier,
+        # after whatever changed it, and read on vLLM's thread whole (one
+        # reference, replaced at once): never the tier's state mid-update.
+        self._tier_stats[index] = self._tiers[index].statistics()
+
     def _after_tier_call(self, index: int) -> None:
+        self._snapshot(index)
         # The file tier's residency belongs to this thread: its events are taken
         # here, after each operation, and handed over with the outcome.
         if index == self._event_tier and self._events is not None:
@@ -630,6 +637,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         # A failed recovery leaves the tier empty; it logs why itself.
         await tier.wait_recovered()
         self._driver.seed(index, tier.take_recovered_keys())
+        self._snapshot(index)
 
     def _write_statistics(self, force: bool = False) -> None:
         path = self._settings.statistics_file
@@ -650,9 +658,9 @@ _ANSWERS = {
 }
 
 
-def _describe(tier: Tier) -> str:
+def _describe(statistics: Any) -> str:
     """One line on an open tier for the start-up log: what its record says of its set-up."""
-    record = asdict(tier.statistics())  # type: ignore[call-overload]
+    record = asdict(statistics)
     shown = ("io_engine", "queue_depth", "direct_io", "capacity_bytes", "recovered_blocks")
     return ", ".join(f"{k} {record[k]}" for k in shown if k in record) or "open"
 
@@ -662,6 +670,10 @@ class _TierEvents:
     """The file tier's residency events of one operation, handed over in order with it."""
 
     events: list[ManagerEvent]
+
+
+async def _statistics(tiers: Sequence[Tier]) -> list[Any]:
+    return [tier.statistics() for tier in tiers]
 
 
 async def _watch(
