@@ -631,11 +631,11 @@ def _timed(xfer: Any, store: bool, rows: np.ndarray, ids: np.ndarray) -> tuple[f
     """One request through the transfer's own path: seconds to issue and to finish, pieces."""
     from kvtier.transfer.device import _Request
 
-    _st, r, subs, per_group = xfer._plan(store, rows, ids, 0)
+    _st, r, skip, per_group = xfer._plan(store, rows, ids, 0)
     nbytes = int(ids.size) * xfer._layout.bytes_per_block
     per_tensor = [per_group[g] for g in xfer._tensor_groups]
     t0 = time.perf_counter()
-    req = _Request(store, r, subs, per_tensor, None, nbytes, xfer._copier.mark())
+    req = _Request(store, r, skip, per_tensor, None, nbytes, xfer._copier.mark())
     plan = xfer._plan_copies(req)
     copies, wait = xfer._copier.run(plan, req.marker)
     t1 = time.perf_counter()

@@ -12,6 +12,18 @@ def copy_host(
     parts: int,
     /,
 ) -> int: ...
+def check_index(values: np.ndarray, bound: int, unique: bool, /) -> int: ...
+def plan_units(
+    rows: np.ndarray,
+    ids: np.ndarray,
+    bpc: int,
+    skip: int,
+    num_blocks: int,
+    kv_first: bool,
+    store: bool,
+    out: np.ndarray,
+    /,
+) -> int: ...
 def cuda_load(path: str, /) -> int: ...
 def cuda_status() -> dict[str, object]: ...
 def cuda_copy(

@@ -56,7 +56,7 @@ import numpy as np
 
 from kvtier.errors import ClosedError, InvalidArgumentError, LayoutError, TransferError
 from kvtier.layout import KVLayout
-from kvtier.transfer._copier import COLUMNS, CopyPlan, CopyTable, _Copier
+from kvtier.transfer._copier import COLUMNS, CopyPlan, CopyTable, _Copier, native
 from kvtier.transfer._cpu_copy import CpuCopier
 from kvtier.transfer._cuda_copy import CudaCopier
 from kvtier.transfer.completion import Completion
@@ -382,12 +382,23 @@ def check_block_ids(
             raise InvalidArgumentError(
                 f"expected {count} device block ids for group {g}, got {arr.size}"
             )
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= num_blocks):
+        bad = _index_problem(arr, num_blocks, unique)
+        if bad == 1:
             raise InvalidArgumentError(f"device block ids must be in [0, {num_blocks})")
-        if unique and np.unique(arr).size != arr.size:
+        if bad == 2:
             raise InvalidArgumentError(f"duplicate device block ids in group {g}")
         out[g] = arr
     return out
+
+
+def _index_problem(arr: np.ndarray, bound: int, unique: bool) -> int:
+    """0 when every value of ``arr`` is in ``[0, bound)`` (and, with ``unique``,
+    none repeats); 1 for one out of range, 2 for a repeat."""
+    if native is not None:
+        return int(native.check_index(arr, bound, unique))
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= bound):
+        return 1
+    return 2 if unique and np.unique(arr).size != arr.size else 0
 
 
 def _as_index(values: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
@@ -472,9 +483,9 @@ def _copy_table(
 class _Request:
     store: bool
     rows: np.ndarray
-    """Host row of every sub-block copied."""
-    subs: np.ndarray
-    """Position of every sub-block copied inside its row."""
+    """Host row of every offloaded block copied (``blocks_per_chunk`` sub-blocks each)."""
+    skip: int
+    """Sub-blocks of the first row not copied (loads)."""
     ids: list[np.ndarray]
     """Device block id of every sub-block copied, per layout tensor (by its group)."""
     done: Completion[None] | None
@@ -573,12 +584,12 @@ class _ThreadedTransfer(DeviceTransfer):
             The copy failed (the destination holds garbage).
         """
         self._check_open()
-        store, r, subs, ids = self._plan(store, rows, device_block_ids, skip)
+        store, r, skip, ids = self._plan(store, rows, device_block_ids, skip)
         per_tensor = [ids[g] for g in self._tensor_groups]
         nbytes = int(ids[self._groups[0]].size) * self._layout.bytes_per_block
         if not nbytes:
             return
-        req = _Request(store, r, subs, per_tensor, None, nbytes, self._copier.mark())
+        req = _Request(store, r, skip, per_tensor, None, nbytes, self._copier.mark())
         try:
             copies, wait = self._copier.run(self._plan_copies(req), req.marker)
             if wait is not None:
@@ -592,41 +603,38 @@ class _ThreadedTransfer(DeviceTransfer):
 
     def _plan(
         self, store: bool, rows: Sequence[int] | np.ndarray, device_block_ids: BlockIds, skip: int
-    ) -> tuple[bool, np.ndarray, np.ndarray, dict[int, np.ndarray]]:
-        """Validate a request: the row and position of every sub-block, the ids per group."""
-        r = self._check_rows(rows)
+    ) -> tuple[bool, np.ndarray, int, dict[int, np.ndarray]]:
+        """Validate a request: its rows, the sub-blocks skipped, the ids per group."""
+        r = self._check_rows(rows, unique=store)
         if store:
-            if np.unique(r).size != r.size:
-                raise InvalidArgumentError("a store names the same row twice")
-            per_row = np.repeat(r, self._bpc)
-            subs = np.tile(np.arange(self._bpc, dtype=np.int64), r.size)
             ids = self._check_ids(device_block_ids, r.size * self._bpc, unique=False)
-            return True, per_row, subs, ids
+            return True, r, 0, ids
         if isinstance(skip, bool) or not isinstance(skip, int | np.integer):
             raise InvalidArgumentError(f"skip must be an int, got {skip!r}")
         skip = int(skip)
         if not 0 <= skip < self._bpc or (skip and r.size == 0):
             raise InvalidArgumentError(f"skip must be in [0, {self._bpc}) with rows, got {skip}")
-        per_row = np.repeat(r, self._bpc)[skip:]
-        subs = np.tile(np.arange(self._bpc, dtype=np.int64), r.size)[skip:]
         ids = self._check_ids(device_block_ids, r.size * self._bpc - skip, unique=True)
-        return False, per_row, subs, ids
+        return False, r, skip, ids
 
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("the device transfer is closed")
 
-    def _check_rows(self, rows: Sequence[int] | np.ndarray) -> np.ndarray:
+    def _check_rows(self, rows: Sequence[int] | np.ndarray, *, unique: bool) -> np.ndarray:
         r = _as_index(rows, "rows")
-        if r.size and (int(r.min()) < 0 or int(r.max()) >= self._rows):
+        bad = _index_problem(r, self._rows, unique)
+        if bad == 1:
             raise InvalidArgumentError(f"rows must be in [0, {self._rows}), got {r.tolist()[:8]}")
+        if bad == 2:
+            raise InvalidArgumentError("a store names the same row twice")
         return r
 
     def _check_ids(self, ids: BlockIds, count: int, *, unique: bool) -> dict[int, np.ndarray]:
         return check_block_ids(self._layout, ids, count, unique=unique)
 
     def _submit(
-        self, store: bool, rows: np.ndarray, subs: np.ndarray, ids: dict[int, np.ndarray]
+        self, store: bool, rows: np.ndarray, skip: int, ids: dict[int, np.ndarray]
     ) -> Completion[None]:
         loop = asyncio.get_running_loop()
         if self._loop is None:
@@ -640,7 +648,7 @@ class _ThreadedTransfer(DeviceTransfer):
             done.set_result(None)
             return done
         self._in_flight += 1
-        req = _Request(store, rows, subs, per_tensor, done, nbytes, self._copier.mark())
+        req = _Request(store, rows, skip, per_tensor, done, nbytes, self._copier.mark())
         self._queues[store].put(req)
         return done
 
@@ -699,18 +707,40 @@ class _ThreadedTransfer(DeviceTransfer):
         tensors of one kind and group are the same in units, so there are as
         many piece lists as (group, kind) pairs, not as tensors.
         """
-        lists = []
-        start = 0
         bounds = np.empty((len(self._plan_keys), 2), dtype=np.int64)
-        for k, (tensor, kv_first) in enumerate(self._plan_keys):
-            ids = req.ids[tensor]
-            p = _unit_pieces(
-                req.rows, req.subs, ids, self._bpc, self._num_blocks, kv_first, req.store
-            )
-            lists.append(p)
-            bounds[k] = (start, start + len(p))
-            start += len(p)
-        pieces = lists[0] if len(lists) == 1 else np.concatenate(lists)
+        if native is not None:
+            # One buffer for every (group, kind) pair, planned in place by the
+            # compiled loop: a handful of numpy calls per request, not dozens.
+            n = int(req.ids[self._plan_keys[0][0]].size)
+            buf = np.empty(8 * n * len(self._plan_keys), dtype=np.int64)
+            at = 0
+            for k, (tensor, kv_first) in enumerate(self._plan_keys):
+                got = native.plan_units(
+                    req.rows,
+                    req.ids[tensor],
+                    self._bpc,
+                    req.skip,
+                    self._num_blocks,
+                    kv_first,
+                    req.store,
+                    buf[4 * at :],
+                )
+                bounds[k] = (at, at + got)
+                at += got
+            pieces = buf[: 4 * at].reshape(-1, 4)
+        else:
+            per_row = np.repeat(req.rows, self._bpc)[req.skip :]
+            subs = np.tile(np.arange(self._bpc, dtype=np.int64), req.rows.size)[req.skip :]
+            lists = []
+            start = 0
+            for k, (tensor, kv_first) in enumerate(self._plan_keys):
+                p = _unit_pieces(
+                    per_row, subs, req.ids[tensor], self._bpc, self._num_blocks, kv_first, req.store
+                )
+                lists.append(p)
+                bounds[k] = (start, start + len(p))
+                start += len(p)
+            pieces = lists[0] if len(lists) == 1 else np.concatenate(lists)
         spans = bounds[self._key_of]
         copies = int((spans[:, 1] - spans[:, 0]).sum())
         return CopyPlan(req.store, self._table, pieces, spans, copies, req.nbytes)

@@ -324,3 +324,79 @@ def test_the_cuda_loop_against_a_stand_in_runtime(tmp_path: Path, version: int) 
     assert cause == "RuntimeError"
     assert cause_text == "cudaMemcpyAsync failed: cudaErrorInvalidValue (1): stand-in error"
     assert out["stream_0"][0] == "ValueError"
+
+
+# -- planning and index checks: the compiled ones against numpy's ----------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kvtier.transfer.device import _unit_pieces  # noqa: E402
+
+
+@st.composite
+def _requests(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, int, int, bool, bool]:
+    bpc = draw(st.integers(1, 4))
+    nrows = draw(st.integers(1, 12))
+    rows = draw(st.lists(st.integers(0, 15), min_size=nrows, max_size=nrows, unique=True))
+    skip = draw(st.integers(0, bpc - 1))
+    n = nrows * bpc - skip
+    # Runs of consecutive ids (what makes pieces longer than one sub-block) and jumps.
+    start = draw(st.integers(0, 40))
+    steps = draw(st.lists(st.sampled_from([1, 1, 1, 2, -3, 7]), min_size=n, max_size=n))
+    ids = [start]
+    for step in steps[1:]:
+        ids.append(max(0, ids[-1] + step))
+    return (
+        np.array(rows, dtype=np.int64),
+        np.array(ids, dtype=np.int64),
+        bpc,
+        skip,
+        draw(st.booleans()),
+        draw(st.booleans()),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(_requests())
+def test_plan_units_is_numpys_plan(
+    req: tuple[np.ndarray, np.ndarray, int, int, bool, bool],
+) -> None:
+    rows, ids, bpc, skip, kv_first, store = req
+    assert native is not None
+    per_row = np.repeat(rows, bpc)[skip:]
+    subs = np.tile(np.arange(bpc, dtype=np.int64), rows.size)[skip:]
+    want = _unit_pieces(per_row, subs, ids, bpc, 100, kv_first, store)
+    out = np.full(8 * ids.size + 4, -7, dtype=np.int64)
+    got = native.plan_units(rows, ids, bpc, skip, 100, kv_first, store, out)
+    assert np.array_equal(out[: 4 * got].reshape(-1, 4), want)
+    assert (out[4 * got :] == -7).all()  # nothing written past what it reports
+
+
+def test_plan_units_refuses_what_does_not_fit() -> None:
+    assert native is not None
+    rows, ids = np.arange(2, dtype=np.int64), np.arange(4, dtype=np.int64)
+    with pytest.raises(ValueError, match="out too small"):
+        native.plan_units(rows, ids, 2, 0, 10, False, True, np.empty(8, dtype=np.int64))
+    with pytest.raises(ValueError, match="more ids than rows hold"):
+        native.plan_units(rows, ids, 1, 0, 10, False, True, np.empty(64, dtype=np.int64))
+    with pytest.raises(ValueError, match="skip"):
+        native.plan_units(rows, ids, 2, 2, 10, False, True, np.empty(64, dtype=np.int64))
+    with pytest.raises(TypeError, match="int64"):
+        native.plan_units(rows.astype(np.int32), ids, 2, 0, 10, False, True, np.empty(64))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(-2, 70), max_size=40),
+    st.sampled_from([1, 64, 65, 1 << 27]),
+    st.booleans(),
+)
+def test_check_index_is_numpys_check(values: list[int], bound: int, unique: bool) -> None:
+    assert native is not None
+    arr = np.array(values, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() >= bound):
+        want = 1
+    else:
+        want = 2 if unique and np.unique(arr).size != arr.size else 0
+    assert native.check_index(arr, bound, unique) == want
