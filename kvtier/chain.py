@@ -6,18 +6,25 @@ it (file, cluster), the keys that tier holds as far as this instance knows.
 It decides the cascade and hands out *intents* for a driver to carry out on
 the tiers' own loop; the driver hands their *outcomes* back::
 
-    front (sync)          Chain (this module)                 driver (tiers' loop)
-    lookup(key)  ------>  HIT / PENDING / RETRY / MISS
-    place(keys)  ------>  rows for the leading keys that fit
-    stored(keys) ------>  write-through: rows pinned for the write
-                          take_intents() -> [Write, Read, Probe]  --> tier.store / load / refresh
-                          settle(outcome) <- [Written, Read done, Probed]  <--
+    front (sync)           Chain (this module)                 driver (tiers' loop)
+    lookup(key)    ----->  HIT / PENDING / RETRY / MISS (vLLM: reads start here)
+    promote(keys)  ----->  rows reserved, reads (the Engine's loads)
+    place(keys)    ----->  rows for the leading keys that fit
+    stored(keys)   ----->  write-through: rows pinned for the write
+                           take_intents() -> [Write, Read, Probe]  --> tier.store / load / refresh
+                           settle(outcome) <- [Written, ReadDone, Probed, TierChanged]  <--
 
 What it decides:
 
 * **Write-through.** A block stored from the device is written to every tier
   below that takes stores; its row is pinned *for the write* (not a load)
   until the write ends, so it cannot be evicted and reused meanwhile.
+* **Write-back.** A tier with ``write_back`` is given a block only when the
+  CPU tier evicts it: the placement that evicted it emits a :class:`Write`
+  with ``evicting`` of the victim's row, and the row is not reused (a read
+  into it is held; a front's copy waits, :meth:`Chain.evicting_writes`)
+  until that write ends; at close, :meth:`Chain.write_back` hands over the
+  rest.
 * **Promotion.** A lookup of a block that only a lower tier holds reserves a
   CPU row and answers RETRY; the driver reads the block into the row; once
   verified it is a HIT. With ``promote_up``, a block promoted from a tier
@@ -32,8 +39,11 @@ What it decides:
   ``lookup_deadline_s`` answers MISS: a stalled tier never holds a request
   (the read goes on, and its block serves a later request).
 
-The vLLM front (:mod:`kvtier.integrations.vllm`) drives it from vLLM's
-scheduler thread, with the tiers on kvtier's loop thread.
+Both fronts drive it. The :class:`~kvtier.engine.Engine` owns it on its
+event loop, with the tiers on the same loop, and turns intents into
+awaitables; the vLLM front (:mod:`kvtier.integrations.vllm`) drives it from
+vLLM's scheduler thread, with the tiers on kvtier's loop thread. Either way
+a :class:`~kvtier.tier_driver.TierDriver` carries the intents out.
 """
 
 from __future__ import annotations
@@ -89,6 +99,11 @@ class LowerTier:
     """Blocks stored from the device are written through to it."""
     promote_up: bool = False
     """A block promoted from it also goes to the tiers above it."""
+    write_back: bool = False
+    """A block stored from the device reaches it only when the CPU tier evicts
+    it (:class:`Write` with ``evicting``) or at close (:meth:`Chain.write_back`),
+    not at once. For fronts that can hold a row's reuse until that write ends
+    (the Engine); vLLM's synchronous ``prepare_store`` cannot."""
 
 
 # -- intents and outcomes ----------------------------------------------------------------
@@ -103,6 +118,10 @@ class Write:
     keys: tuple[bytes, ...]
     slots: tuple[int, ...]
     """CPU row of each key."""
+    evicting: bool = False
+    """A write-back of blocks the CPU tier just evicted: their rows already
+    belong to the blocks placed in them, which must not be copied in until
+    this write ends (:meth:`Chain.evicting_writes`); no pin is held."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +204,8 @@ class TierCounts:
     """Blocks a write to it failed or could not start."""
     probes: int = 0
     """Keys asked of it (shared tiers)."""
+    write_backs: int = 0
+    """Blocks handed to it by write-back (evicted from the CPU tier, or at close)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +244,8 @@ class _Lower:
     counts: TierCounts = field(default_factory=TierCounts)
     absent: dict[bytes, float] = field(default_factory=dict)
     """Shared tiers: keys a probe found absent, and when (oldest first)."""
+    dirty: dict[bytes, None] = field(default_factory=dict)
+    """Write-back tiers: ready CPU blocks it has not been given yet."""
 
     def learn(self, keys: Iterable[bytes], limit: int) -> None:
         known = self.known
@@ -288,6 +311,10 @@ class Chain:
         self._to_probe: dict[int, dict[bytes, None]] = {}
         self._intents: list[Intent] = []
         self._write_pins: dict[bytes, int] = {}
+        self._evicting: dict[int, Write] = {}
+        """CPU rows whose evicted block is being written back, and that write."""
+        self._deferred: list[Read] = []
+        """Reads into rows whose evicted block is still being written back."""
         self._lookups = 0
         self._refusals = 0
         self._late = 0
@@ -339,27 +366,43 @@ class Chain:
                 return Answer.RETRY
         return Answer.MISS
 
-    def place(self, keys: Sequence[bytes]) -> StorePlan | None:
+    def place(self, keys: Sequence[bytes], keep: Sequence[bytes] = ()) -> StorePlan | None:
         """CPU rows for the longest prefix of the new ``keys`` that fits now, or None.
 
         Keys in the CPU tier already are skipped; refused keys are counted.
+        Ready blocks of ``keep`` are not evicted to make room (without a tier
+        below, a request must not evict its own prefix for its tail). The
+        rows of blocks it evicts that a write-back tier still lacks are not
+        free until :meth:`evicting_writes` of the plan end.
         """
         todo = [k for k in keys if k not in self.cpu]
         if not todo:
             return None
-        plan = self._place(todo)
+        held = [k for k in keep if self.cpu.is_ready(k)]
+        if held:
+            held = list(self.cpu.prepare_load(held).keys)  # shielded from eviction meanwhile
+        try:
+            plan = self._place(todo)
+        finally:
+            if held:
+                self.cpu.complete_load(held)
         placed = 0 if plan is None else len(plan.keys)
         self._refusals += len(todo) - placed
         return plan
 
-    def stored(self, keys: Sequence[bytes], ok: bool) -> None:
-        """The device copy into the rows of ``keys`` ended; write them through if ``ok``."""
+    def stored(self, keys: Sequence[bytes], ok: bool, *, write_down: bool = True) -> None:
+        """The device copy into the rows of ``keys`` ended; write them through if ``ok``.
+
+        ``write_down=False`` publishes them in the CPU tier only (a front that
+        has stopped writing to the tiers below: a close past its timeout).
+        """
         if not keys:
             return
         self.cpu.complete_store(keys, ok)
         if ok:
             self._cpu_counts.blocks_in += len(keys)
-            self._write_down(keys, range(len(self._lower)), store=True)
+            if write_down:
+                self._write_down(keys, range(len(self._lower)), store=True)
 
     def pin_for_device_load(self, keys: Sequence[bytes]) -> tuple[int, ...]:
         """Pin ready blocks for a copy to the device; their rows."""
@@ -377,11 +420,86 @@ class Chain:
         if ready:
             self.cpu.touch(ready)
 
+    def lower_of(self, key: bytes) -> int | None:
+        """The highest lower tier known to hold ``key``, or None (no side effect)."""
+        for i, tier in enumerate(self._lower):
+            if key in tier.known:
+                return i
+        return None
+
+    def promote(self, keys: Sequence[bytes]) -> list[Read]:
+        """Reserve CPU rows for the leading ``keys`` that fit and read them from the
+        lower tiers that hold them; the reads, one per tier (each settles with its
+        :class:`ReadDone`; one may wait for a write-back of its rows first).
+
+        Keys in the CPU tier already, or in no lower tier, are left out. With
+        ``promote_up``, what arrives also goes to the tiers above its own.
+        """
+        todo = [k for k in keys if k not in self.cpu and self.lower_of(k) is not None]
+        plan = self._place(todo) if todo else None
+        if plan is None:
+            return []
+        by_tier: dict[int, list[tuple[bytes, int]]] = {}
+        for k, slot in zip(plan.keys, plan.slots, strict=True):
+            tier = self.lower_of(k)
+            assert tier is not None  # placed just now, known just before
+            by_tier.setdefault(tier, []).append((k, slot))
+        reads = []
+        for i in sorted(by_tier):
+            pairs = by_tier[i]
+            read = Read(i, tuple(k for k, _s in pairs), tuple(s for _k, s in pairs))
+            self._read(read)
+            reads.append(read)
+        return reads
+
+    def evicting_writes(self, plan: StorePlan) -> tuple[Write, ...]:
+        """The write-backs the rows of ``plan`` wait for (their evicted blocks)."""
+        out: dict[int, Write] = {}
+        for slot in plan.slots:
+            w = self._evicting.get(slot)
+            if w is not None:
+                out[id(w)] = w
+        return tuple(out.values())
+
+    def write_back(self) -> int:
+        """Hand every write-back tier the ready blocks it lacks (at close); how many."""
+        count = 0
+        for i, tier in enumerate(self._lower):
+            if not tier.dirty:
+                continue
+            ready = [k for k in tier.dirty if self.cpu.is_ready(k) and k not in tier.known]
+            tier.dirty.clear()
+            if ready:
+                tier.counts.write_backs += len(ready)
+                count += len(ready)
+                self._pin_and_write(i, ready)
+        return count
+
+    def abandon(self) -> int:
+        """Forget what write-back tiers were still to be given (a close's timeout); how many."""
+        left = {k for t in self._lower for k in t.dirty if self.cpu.is_ready(k)}
+        for t in self._lower:
+            t.dirty.clear()
+        return len(left)
+
+    def probe(self, index: int, keys: Sequence[bytes]) -> Probe:
+        """Ask lower tier ``index`` which of ``keys`` it holds: the :class:`Probe` queued."""
+        self._lower[index].counts.probes += len(keys)
+        probe = Probe(index, tuple(keys))
+        self._intents.append(probe)
+        return probe
+
     @property
     def busy(self) -> bool:
         """Reads, probes or writes are queued or in flight."""
-        return bool(self._waiting or self._to_read or self._to_probe or self._intents) or bool(
-            self._write_pins
+        return bool(
+            self._waiting
+            or self._to_read
+            or self._to_probe
+            or self._intents
+            or self._write_pins
+            or self._evicting
+            or self._deferred
         )
 
     @property
@@ -454,9 +572,30 @@ class Chain:
         while n:
             plan = self.cpu.prepare_store(keys[:n])
             if plan is not None:
+                if plan.evicted:
+                    self._evicted(plan)
                 return plan
             n //= 2  # the room counted rows this call's own keys would need to free
         return None
+
+    def _evicted(self, plan: StorePlan) -> None:
+        """A victim whose only copy is its row goes to each write-back tier lacking it
+        first: the row is not reused until that write ends."""
+        slot_of = dict(zip(plan.evicted, plan.evicted_slots, strict=True))
+        for i, tier in enumerate(self._lower):
+            if not tier.dirty:
+                continue
+            victims = [k for k in plan.evicted if k in tier.dirty]
+            for k in victims:
+                del tier.dirty[k]
+            victims = [k for k in victims if k not in tier.known]
+            if not victims:
+                continue
+            tier.counts.write_backs += len(victims)
+            w = Write(i, tuple(victims), tuple(slot_of[k] for k in victims), evicting=True)
+            self._intents.append(w)
+            for slot in w.slots:
+                self._evicting[slot] = w
 
     def _limit(self, tier: _Lower) -> int:
         # A tier of this instance's own is known exactly; a shared one is bounded.
@@ -483,7 +622,7 @@ class Chain:
             waiting[k].issued = True
         for i in sorted({tier_of[k] for k in plan.keys}):
             pairs = [(k, s) for k, s in zip(plan.keys, plan.slots, strict=True) if tier_of[k] == i]
-            self._intents.append(Read(i, tuple(k for k, _s in pairs), tuple(s for _k, s in pairs)))
+            self._read(Read(i, tuple(k for k, _s in pairs), tuple(s for _k, s in pairs)))
 
     def _settle_read(self, done: ReadDone) -> None:
         read = done.intent
@@ -511,7 +650,16 @@ class Chain:
         ok = [k for k in write.keys if k in done.stored]
         tier.counts.blocks_in += len(ok)
         tier.counts.write_failures += len(write.keys) - len(ok)
-        self._unpin_written(write.keys)
+        if not write.evicting:
+            self._unpin_written(write.keys)
+            return
+        for slot in write.slots:
+            if self._evicting.get(slot) is write:
+                del self._evicting[slot]
+        if self._deferred:
+            waiting, self._deferred = self._deferred, []
+            for read in waiting:
+                self._read(read)
 
     def _write_down(self, keys: Sequence[bytes], tiers: Iterable[int], *, store: bool) -> None:
         """Write ready CPU blocks to ``tiers`` that lack them: rows pinned per write."""
@@ -522,10 +670,23 @@ class Chain:
             todo = [k for k in keys if k not in tier.known]
             if not todo:
                 continue
-            plan = self.cpu.prepare_load(todo)  # a pin held for the write, not a load
-            for k in todo:
-                self._write_pins[k] = self._write_pins.get(k, 0) + 1
-            self._intents.append(Write(i, plan.keys, plan.slots))
+            if tier.spec.write_back:
+                tier.dirty.update(dict.fromkeys(todo))  # written when evicted, or at close
+                continue
+            self._pin_and_write(i, todo)
+
+    def _pin_and_write(self, index: int, keys: Sequence[bytes]) -> None:
+        plan = self.cpu.prepare_load(keys)  # a pin held for the write, not a load
+        for k in keys:
+            self._write_pins[k] = self._write_pins.get(k, 0) + 1
+        self._intents.append(Write(index, plan.keys, plan.slots))
+
+    def _read(self, read: Read) -> None:
+        """Issue ``read``, or hold it while one of its rows is still being written back."""
+        if self._evicting and any(s in self._evicting for s in read.slots):
+            self._deferred.append(read)
+        else:
+            self._intents.append(read)
 
     def _unpin_written(self, keys: Sequence[bytes]) -> None:
         self.cpu.complete_load(keys)

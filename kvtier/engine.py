@@ -1,9 +1,11 @@
 """The engine: what a serving loop embeds.
 
-It wires the scheduler-side managers (one per tier: which key lives where, which
-copy is ready, which is pinned) to the data plane (device copies, and the chain
-of tiers below the CPU region: the file tier, the cluster tier, each driven
-through the one :class:`~kvtier.tiers.base.Tier` contract). Decisions are made
+It is the asyncio front of the chain of tiers (:class:`~kvtier.chain.Chain`,
+the same one the vLLM front drives: which key lives where, which copy is
+ready, which row is pinned, the cascade), and of the data plane: the device
+copies it runs itself, the tiers below the CPU region (file, cluster) through
+a :class:`~kvtier.tier_driver.TierDriver` that carries the chain's intents
+out on this loop. Decisions are made
 synchronously, before the first ``await`` of a call, so a ``lookup`` followed
 at once by a ``load`` cannot lose a block in between; the bytes move afterwards,
 and every state change that depends on the hardware happens in a completion
@@ -25,13 +27,22 @@ from typing import TYPE_CHECKING, Literal, Self, cast
 
 import numpy as np
 
+from kvtier.chain import (
+    Chain,
+    LowerTier,
+    Outcome,
+    Read,
+    ReadDone,
+    TierChanged,
+    Write,
+    Written,
+)
 from kvtier.config import FileTierConfig, KVTierConfig
 from kvtier.errors import (
     BlockNotFoundError,
     ClosedError,
     ConfigurationError,
     InvalidArgumentError,
-    KVTierError,
     LayoutError,
     ProtocolError,
 )
@@ -39,7 +50,8 @@ from kvtier.keys import check_keys
 from kvtier.layout import KVLayout
 from kvtier.manager import ManagerStatistics, ResidencyManager, StorePlan
 from kvtier.region import CPURegion
-from kvtier.tiers.base import LoadResult, Refreshable, StoreResult, Tier, TierStatistics
+from kvtier.tier_driver import TierDriver
+from kvtier.tiers.base import Recovers, Refreshable, Tier, TierStatistics, Watched
 from kvtier.tiers.cluster import ClusterTierStatistics
 from kvtier.tiers.file import FileTier, FileTierStatistics
 from kvtier.transfer.completion import Completion
@@ -265,8 +277,6 @@ class _Link:
     promote_up: bool
     """Blocks promoted from this tier are also given to the tiers above it."""
     traffic: _Counter = field(default_factory=_Counter)
-    dirty: set[bytes] = field(default_factory=set)
-    """Write-back: ready CPU blocks this tier has not been given yet."""
 
 
 @dataclass(slots=True, eq=False)
@@ -379,7 +389,7 @@ class Engine:
         specs = config.chain
         if len(specs) != len(tiers):  # pragma: no cover - open builds one from the other
             raise ProtocolError(f"{len(tiers)} tiers opened for a chain of {len(specs)}")
-        self._chain: tuple[_Link, ...] = tuple(
+        self._links: tuple[_Link, ...] = tuple(
             _Link(
                 name,
                 tier,
@@ -388,7 +398,28 @@ class Engine:
             )
             for i, ((name, spec), tier) in enumerate(zip(specs, tiers, strict=True))
         )
-        self._write_back = tuple(link for link in self._chain if link.write_back)
+        # The cascade (write-through, write-back on eviction, promotion, a lower
+        # tier's failure as a miss) is the chain's, as under vLLM; the engine
+        # carries its intents out with awaitables (:meth:`_dispatch`, :meth:`_post`).
+        self._chain = Chain(
+            self._cpu,
+            [
+                LowerTier(
+                    link.name,
+                    shared=link.tier.shared,
+                    promote_up=link.promote_up,
+                    write_back=link.write_back,
+                )
+                for link in self._links
+            ],
+            lookup_deadline_s=math.inf,
+        )
+        self._driver = TierDriver(tiers, [link.name for link in self._links], region, self._post)
+        self._intent_done: dict[int, Completion[None]] = {}
+        """The completion of each intent carried out and not settled yet, by id."""
+        self._read_jobs: dict[int, _Job] = {}
+        """The job of each promotion's read, by the read's id."""
+        self._seeding: set[asyncio.Task[None]] = set()
         self._bpc = layout.blocks_per_chunk
         # Every rank's slice of a row moves with each block (one slice in one process).
         self._row_bytes = layout.bytes_per_chunk * region.world_size
@@ -413,6 +444,87 @@ class Engine:
             "write_backs": 0,
             "abandoned_at_close": 0,
         }
+        for i, link in enumerate(self._links):
+            tier = link.tier
+            if isinstance(tier, Recovers):
+                if tier.recovering:  # its blocks join the chain once the scan ends
+                    task = asyncio.ensure_future(self._seed(i, tier))
+                    self._seeding.add(task)
+                    task.add_done_callback(self._seeding.discard)
+                else:
+                    self._chain.settle(TierChanged(i, added=tuple(tier.take_recovered_keys())))
+            if isinstance(tier, Watched):
+                tier.watch(partial(self._peers_changed, i))
+
+    # -- the chain's intents and outcomes -------------------------------------------------
+
+    async def _seed(self, index: int, tier: Recovers) -> None:
+        with contextlib.suppress(Exception):  # a failed recovery leaves the tier empty; it logs
+            await tier.wait_recovered()
+        if not self._closed:
+            self._chain.settle(TierChanged(index, added=tuple(tier.take_recovered_keys())))
+
+    def _peers_changed(self, index: int, added: Sequence[bytes], removed: Sequence[bytes]) -> None:
+        self._chain.settle(TierChanged(index, added=tuple(added), removed=tuple(removed)))
+
+    def _dispatch(self) -> None:
+        """Carry out what the chain decided (writes, reads, probes), each with a completion."""
+        while intents := self._chain.take_intents():
+            for intent in intents:
+                done: Completion[None] = Completion()
+                self._intent_done[id(intent)] = done
+                if isinstance(intent, Write):
+                    if self._abandoning:
+                        # Past aclose's timeout nothing more goes to a lower tier
+                        # (its pins go with the outcome; no completion: not a write).
+                        del self._intent_done[id(intent)]
+                        self._abandon(intent.keys)
+                        self._post(Written(intent, frozenset()))
+                        continue
+                    if intent.evicting:
+                        self._n["write_backs"] += len(intent.keys)
+                    self._writes.add(done)
+                    done.add_done_callback(lambda c: self._writes.discard(c))
+                    self._links[intent.tier].traffic.begin(True)
+                elif isinstance(intent, Read):
+                    self._links[intent.tier].traffic.begin(False)
+                self._driver.carry_out(intent)
+
+    def _post(self, outcome: Outcome) -> None:
+        """An intent's outcome (on the loop): the chain first, then who waits for it."""
+        self._chain.settle(outcome)
+        if isinstance(outcome, TierChanged):
+            return
+        intent = outcome.intent
+        done = self._intent_done.pop(id(intent), None)
+        try:
+            if isinstance(outcome, Written) and done is not None:
+                written = len(outcome.stored & set(intent.keys))
+                self._n["write_through_failures"] += len(intent.keys) - written
+                self._links[intent.tier].traffic.end(True, written, self._region.row_stride)
+            elif isinstance(outcome, ReadDone):
+                self._read_done(outcome)
+        finally:
+            if done is not None:
+                done.set_result(None)
+            # What the outcome led to (promote_up writes, reads held for a
+            # write-back) goes out now.
+            self._dispatch()
+
+    def _read_done(self, done: ReadDone) -> None:
+        """A promotion's read ended: the chain made its blocks ready (or misses)."""
+        read = done.intent
+        good = [k for k in read.keys if k in done.loaded]
+        self._n["promotions"] += len(good)
+        self._links[read.tier].traffic.end(False, len(good), self._region.row_stride)
+        job = self._read_jobs.pop(id(read), None)
+        if job is None:  # pragma: no cover - every read is the engine's
+            return
+        job.ok.update(good)
+        for k in read.keys:
+            if self._inflight.get(k) is job:
+                del self._inflight[k]
+        self._finish(job)  # the loads waiting take their blocks before anything else runs
 
     # -- opening and closing ------------------------------------------------------------
 
@@ -632,31 +744,31 @@ class Engine:
     async def _close(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         await self._settle_until(deadline)
-        for link in self._write_back:
-            dirty = [k for k in link.dirty if self._cpu.is_ready(k)]
-            link.dirty.clear()
-            if dirty and time.monotonic() < deadline:
-                rows = [self._region.row(s) for s in self._cpu.prepare_load(dirty).slots]
-                self._n["write_backs"] += len(dirty)
-                self._tier_store(link, dirty, rows, then=partial(self._cpu.complete_load, dirty))
-            else:
-                link.dirty.update(dirty)
+        if time.monotonic() < deadline:
+            # Each write-back tier is given the blocks whose only copy is their row.
+            self._n["write_backs"] += self._chain.write_back()
+            self._dispatch()
         await self._settle_until(deadline)
         # From here on nothing new goes to a lower tier: what a copy still
         # running would write through, and what is still dirty, is abandoned.
         self._abandoning = True
-        left = {k for link in self._write_back for k in link.dirty if self._cpu.is_ready(k)}
-        self._abandon(list(left))
-        for link in self._write_back:
-            link.dirty.clear()
+        if left := self._chain.abandon():
+            self._n["abandoned_at_close"] += left
+            log.warning(
+                "aclose: %d blocks not written to the lower tiers (timeout reached); "
+                "they are lost with the CPU region",
+                left,
+            )
         late = [c for c in self._unfinished() if c not in self._writes]
         if late:
             log.warning("aclose: %d jobs still running after %.1fs", len(late), seconds)
+        for task in list(self._seeding):
+            task.cancel()
         try:
             # The copier and the ring wait for what they handed to hardware, so the
             # region is unmapped only after nothing can touch it any more.
             await self._xfer.aclose()
-            for link in self._chain:
+            for link in self._links:
                 await _aclose_quietly(link)
         finally:
             self._region.close()
@@ -748,8 +860,8 @@ class Engine:
         for key in keys[n:]:
             if key in inflight or cpu.is_ready(key):
                 self._t_cpu.lookup_hits += 1
-            elif (tier := self._tier_of(key)) is not None:
-                self._chain[tier].traffic.lookup_hits += 1
+            elif (tier := self._chain.lower_of(key)) is not None:
+                self._links[tier].traffic.lookup_hits += 1
             else:
                 break
             n += 1
@@ -787,23 +899,25 @@ class Engine:
         self._check_open()
         check_keys(keys)
         known = self._cpu.lookup(keys)
-        for i, link in enumerate(self._chain):
-            tier = link.tier
-            if isinstance(tier, Refreshable):
-                known = self._known(keys, known, self._chain[:i])
+        for i, link in enumerate(self._links):
+            if isinstance(link.tier, Refreshable):
+                known = self._known(keys, known, i)
                 if known < len(keys):
-                    await tier.refresh(keys[known:])
+                    probe = self._chain.probe(i, keys[known:])
+                    self._dispatch()
+                    if (done := self._intent_done.get(id(probe))) is not None:
+                        await done
                     self._check_open()
         return self.lookup(keys)
 
-    def _known(self, keys: Sequence[bytes], start: int, links: Sequence[_Link]) -> int:
-        """Past ``start``, the prefix that is in flight, in the CPU tier or in ``links``."""
+    def _known(self, keys: Sequence[bytes], start: int, above: int) -> int:
+        """Past ``start``, the prefix in flight, in the CPU tier or in a tier above ``above``."""
         n = start
         for key in keys[start:]:
             if not (
                 key in self._inflight
                 or self._cpu.is_ready(key)
-                or any(link.tier.is_ready(key) for link in links)
+                or ((tier := self._chain.lower_of(key)) is not None and tier < above)
             ):
                 break
             n += 1
@@ -868,7 +982,7 @@ class Engine:
         # write skips it.
         cpu = self._cpu
         todo, present, stored = list(keys), 0, 0
-        stream = any(not link.tier.recovering for link in self._chain)
+        stream = any(not link.tier.recovering for link in self._links)
         while todo:
             # Looked at again each round: another store may have taken some meanwhile.
             fresh = [k for k in todo if k not in cpu]
@@ -876,11 +990,12 @@ class Engine:
             todo = fresh
             if stream:
                 room = self._room()
-                plan = self._place(todo[:room]) if todo and room else None
+                plan = self._chain.place(todo[:room]) if todo and room else None
             else:
-                # None of the call's keys is in the CPU tier: none to keep.
+                # Without a lower tier an evicted block is gone: the call must
+                # not make room for its tail by evicting its own prefix.
                 own = () if len(todo) == len(keys) else keys
-                plan = self._place_beside(own, todo)
+                plan = self._chain.place(todo, keep=own) if todo else None
             if plan is None:
                 # Backpressure: rows held by copies, loads and file writes free up
                 # when those end; waiting beats dropping blocks that fit a moment
@@ -915,13 +1030,16 @@ class Engine:
         def copied(c: Completion[None]) -> None:
             ok = c.exception() is None and not cancelled
             self._t_cpu.end(True, len(plan.keys) if ok else 0, self._row_bytes)
-            self._cpu.complete_store(plan.keys, ok)
+            # Ready in the CPU tier, and written through (or marked for write-back).
+            self._chain.stored(plan.keys, ok, write_down=not self._abandoning)
             for k in plan.keys:
                 self._inflight.pop(k, None)
             try:
                 if ok:
                     job.ok.update(plan.keys)
-                    self._write_down(plan.keys, self._chain)
+                    if self._abandoning and self._links:
+                        self._abandon(plan.keys)
+                    self._dispatch()
             finally:
                 self._finish(job)
 
@@ -949,21 +1067,6 @@ class Engine:
         except asyncio.CancelledError:
             cancelled = True
             raise
-
-    def _place_beside(self, keys: Sequence[bytes], todo: list[bytes]) -> StorePlan | None:
-        """Rows for the leading ``todo`` that fit without evicting any of ``keys``.
-
-        Without a lower tier an evicted block is gone: a call must not make
-        room for its tail by evicting its own prefix.
-        """
-        own = [k for k in keys if self._cpu.is_ready(k)]
-        held = self._cpu.prepare_load(own).keys if own else ()
-        try:
-            room = self._room()
-            return self._place(todo[:room]) if todo and room else None
-        finally:
-            if held:
-                self._cpu.complete_load(held)
 
     def _copy(
         self, store: bool, slots: Sequence[int], ids: _Ids, skip: int = 0
@@ -1001,38 +1104,21 @@ class Engine:
             await _wait(running, first=True)
         return bool(running)
 
-    def _place(self, keys: list[bytes]) -> StorePlan | None:
-        """Rows for ``keys``, or for as long a prefix of them as fits (halving)."""
-        n = len(keys)
-        while n:
-            plan = self._cpu.prepare_store(keys[:n])
-            if plan is not None:
-                return plan
-            n //= 2
-        return None
-
     def _after_claim(self, plan: StorePlan, start: _Starter) -> Completion[None]:
-        """Run ``start`` once the evicted rows of ``plan`` may be overwritten.
+        """Run ``start`` once the rows of ``plan`` may be overwritten.
 
-        A victim's row may be its only copy: each write-back tier that lacks
-        the victim is given it first (the eviction cascades down the chain).
-        Otherwise the rows are free at once.
+        A victim whose row was its only copy is written back first (the
+        chain's :meth:`~kvtier.chain.Chain.evicting_writes`); otherwise the
+        rows are free at once.
         """
-        if not (self._write_back and plan.evicted):
-            return _guarded(start)
-        slots = dict(zip(plan.evicted, plan.evicted_slots, strict=True))
-        writes: list[Completion[None]] = []
-        for link in self._write_back:
-            link.dirty.difference_update(plan.evicted)
-            victims = [k for k in plan.evicted if k not in link.tier]
-            if victims:
-                self._n["write_backs"] += len(victims)
-                rows = [self._region.row(slots[k]) for k in victims]
-                writes.append(self._tier_store(link, victims, rows))
-        if not writes:
+        writes = self._chain.evicting_writes(plan)
+        if writes:
+            self._dispatch()
+        pending = [d for w in writes if (d := self._intent_done.get(id(w))) is not None]
+        if not pending:
             return _guarded(start)
         out: Completion[None] = Completion()
-        left = [len(writes)]
+        left = [len(pending)]
 
         def go(_c: Completion[None]) -> None:
             left[0] -= 1
@@ -1043,81 +1129,8 @@ class Engine:
                 lambda c: out.set_exception(e) if (e := c.exception()) else out.set_result(None)
             )
 
-        for written in writes:
+        for written in pending:
             written.add_done_callback(go)
-        return out
-
-    def _write_down(self, keys: Sequence[bytes], links: Sequence[_Link]) -> None:
-        """Ready CPU blocks for ``links``: written through, or marked dirty (write-back)."""
-        if not links or not keys:
-            return
-        if self._abandoning:
-            self._abandon(keys)
-            return
-        for link in links:
-            if link.write_back:
-                link.dirty.update(keys)
-            elif link.tier.recovering:
-                # It refuses every store until it knows what it holds: do not
-                # pin rows (or log a warning per call) for writes that cannot happen.
-                self._n["write_through_failures"] += len(keys)
-            else:
-                plan = self._cpu.prepare_load(keys)  # pin: the rows must not be reused meanwhile
-                self._tier_store(
-                    link,
-                    plan.keys,
-                    [self._region.row(s) for s in plan.slots],
-                    then=partial(self._cpu.complete_load, plan.keys),
-                )
-
-    def _tier_store(
-        self,
-        link: _Link,
-        keys: Sequence[bytes],
-        rows: list[memoryview],
-        then: Callable[[], object] | None = None,
-    ) -> Completion[None]:
-        """Write rows to a lower tier; failures are counted and logged, never raised.
-
-        ``then`` runs once the write is over, *before* the returned completion
-        resolves: whatever waits for it (``flush``) sees the rows unpinned.
-        """
-        out: Completion[None] = Completion()
-        try:
-            comp = link.tier.store(keys, rows)
-        except KVTierError as exc:
-            self._n["write_through_failures"] += len(keys)
-            log.warning("%s tier refused %d blocks: %s", link.name, len(keys), exc)
-            try:
-                if then is not None:
-                    then()
-            finally:
-                out.set_result(None)
-            return out
-        traffic = link.traffic
-        traffic.begin(True)
-
-        def finished(c: Completion[StoreResult]) -> None:
-            exc = c.exception()
-            written = 0 if exc is not None else len(c.result().stored)
-            traffic.end(True, written, self._region.row_stride)
-            if exc is not None:
-                self._n["write_through_failures"] += len(keys)
-                log.warning("%s tier write of %d blocks failed: %s", link.name, len(keys), exc)
-            else:
-                result = c.result()
-                self._n["write_through_failures"] += len(result.failed)
-                for key, err in list(result.failed.items())[:3]:
-                    log.warning("%s tier write of %s failed: %s", link.name, key.hex(), err)
-            try:
-                if then is not None:
-                    then()
-            finally:
-                out.set_result(None)  # never leave flush waiting
-
-        comp.add_done_callback(finished)
-        self._writes.add(out)
-        out.add_done_callback(lambda _c: self._writes.discard(out))
         return out
 
     async def flush(self) -> None:
@@ -1223,7 +1236,7 @@ class Engine:
                 ready = False
             elif not cpu.is_ready(k):
                 ready = False
-                if self._tier_of(k) is None:
+                if self._chain.lower_of(k) is None:
                     raise BlockNotFoundError(f"block {k.hex()} is in no tier")
         cpu.touch(keys)
         index = {k: i for i, k in enumerate(keys)}
@@ -1263,7 +1276,7 @@ class Engine:
         if st.todo and self._closed:
             raise ClosedError("the engine closed during the load")
         ready: list[bytes] = []
-        promote: list[tuple[bytes, int]] = []
+        promote: list[bytes] = []
         for k in st.todo:
             if st.index[k] >= st.end:
                 break  # past a miss: nothing more to start
@@ -1272,8 +1285,8 @@ class Engine:
                 self._wait_on(st, job, [k])
             elif self._cpu.is_ready(k):
                 ready.append(k)
-            elif (tier := self._tier_of(k)) is not None:
-                promote.append((k, tier))
+            elif self._chain.lower_of(k) is not None:
+                promote.append(k)
             else:
                 st.end = min(st.end, st.index[k])  # it left every tier since the call
                 break
@@ -1297,24 +1310,28 @@ class Engine:
             st.end = min(st.end, st.index[st.todo[0]])
             st.todo.clear()
 
-    def _promote_some(self, st: _Load, todo: list[tuple[bytes, int]]) -> list[bytes]:
-        """Promote the leading ``(key, tier)`` of ``todo`` that rows can take; the rest."""
+    def _promote_some(self, st: _Load, todo: list[bytes]) -> list[bytes]:
+        """Promote the leading keys of ``todo`` that rows can take; the rest."""
         half = max(1, self._cpu.capacity // 2)
         while todo and (room := self._room()):
             # Past the room, windows of half the tier: one window is read while
             # the one before is copied to the device.
             window = todo if len(todo) <= room else todo[: min(room, half)]
             placed: set[bytes] = set()
-            for tier in sorted({t for _k, t in window}):
-                job = self._promote(tier, [k for k, t in window if t == tier])
-                if job is not None:
-                    placed.update(job.keys)
-                    st.promoted.update(job.keys)
-                    self._wait_on(st, job, job.keys)
+            for read in self._chain.promote(window):
+                job = _Job(read.keys, Completion())
+                self._read_jobs[id(read)] = job
+                for k in read.keys:
+                    self._inflight[k] = job
+                self._track(job.done)
+                placed.update(read.keys)
+                st.promoted.update(read.keys)
+                self._wait_on(st, job, read.keys)
             if not placed:
                 break
-            todo = [(k, t) for k, t in todo if k not in placed]
-        return [k for k, _t in todo]
+            self._dispatch()
+            todo = [k for k in todo if k not in placed]
+        return todo
 
     def _wait_on(self, st: _Load, job: _Job, keys: Sequence[bytes]) -> None:
         """The load takes ``keys`` from ``job`` when it finishes (:meth:`_claim`)."""
@@ -1391,77 +1408,6 @@ class Engine:
         finally:
             job.done.set_result(None)
 
-    def _tier_of(self, key: bytes) -> int | None:
-        """Index in the chain of the highest tier that has ``key`` ready, or None."""
-        for i, link in enumerate(self._chain):
-            if link.tier.is_ready(key):
-                return i
-        return None
-
-    def _promote(self, index: int, keys: list[bytes]) -> _Job | None:
-        """Start reading blocks of tier ``index`` into CPU rows: one job, or None without room.
-
-        The job covers the leading keys that rows could be found for. With
-        ``promote_up``, the blocks that arrive are then given to the tiers
-        above it (written through, or marked dirty for write-back).
-        """
-        link = self._chain[index]
-        plan = self._place(keys)
-        if plan is None or not plan.keys:
-            return None
-        job = _Job(plan.keys, Completion())
-        for k in plan.keys:
-            self._inflight[k] = job
-        rows = [self._region.row(s) for s in plan.slots]
-        tier, traffic = link.tier, link.traffic
-        traffic.begin(False)
-
-        def start() -> Completion[None]:
-            out: Completion[None] = Completion()
-            try:
-                comp = tier.load(plan.keys, rows)
-            except KVTierError as exc:
-                out.set_exception(exc)
-                return out
-
-            def read(c: Completion[LoadResult]) -> None:
-                if (exc := c.exception()) is not None:
-                    out.set_exception(exc)
-                else:
-                    job.ok.update(c.result().loaded)
-                    out.set_result(None)
-
-            comp.add_done_callback(read)
-            return out
-
-        def finished(c: Completion[None]) -> None:
-            if (exc := c.exception()) is not None:
-                log.warning(
-                    "promotion of %d blocks from the %s tier failed: %s",
-                    len(plan.keys),
-                    link.name,
-                    exc,
-                )
-            good = [k for k in plan.keys if k in job.ok]
-            bad = [k for k in plan.keys if k not in job.ok]
-            if good:
-                self._cpu.complete_store(good, True)
-            if bad:
-                self._cpu.complete_store(bad, False)
-            for k in plan.keys:
-                self._inflight.pop(k, None)
-            self._n["promotions"] += len(good)
-            traffic.end(False, len(good), self._region.row_stride)
-            try:
-                if good and link.promote_up:
-                    self._write_down(good, self._chain[:index])
-            finally:
-                self._finish(job)
-
-        self._after_claim(plan, start).add_done_callback(finished)
-        self._track(job.done)
-        return job
-
     # -- statistics and helpers ---------------------------------------------------------
 
     def statistics(self) -> EngineStatistics:
@@ -1470,7 +1416,7 @@ class Engine:
         cpu_stats = self._cpu.statistics()
         cpu = TierReport(cpu_stats, self._t_cpu.freeze())
         tiers: dict[str, TierReport] = {"cpu": cpu}
-        for link in self._chain:  # by name: each tier reports its own record
+        for link in self._links:  # by name: each tier reports its own record
             tiers[link.name] = TierReport(link.tier.statistics(), link.traffic.freeze())
         file, cluster = tiers.get("file"), tiers.get("cluster")
         return EngineStatistics(

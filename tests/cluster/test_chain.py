@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.chain import Answer, Chain, LowerTier, Outcome
+from kvtier.chain import Answer, Chain, LowerTier, Outcome, Write
 from kvtier.config import ClusterTierConfig, FileTierConfig
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.manager import ResidencyManager
@@ -98,7 +98,11 @@ class Instance:
 
 @asynccontextmanager
 async def instance(
-    tmp_path: Path | None, cluster: ValkeyCluster | None, *, deadline: float = 5.0
+    tmp_path: Path | None,
+    cluster: ValkeyCluster | None,
+    *,
+    deadline: float = 5.0,
+    write_back: bool = False,
 ) -> AsyncIterator[Instance]:
     lay = layout()
     region = CPURegion.create(lay, ROWS * ROW, alignment=4096)
@@ -107,7 +111,7 @@ async def instance(
     if tmp_path is not None:
         cfg = FileTierConfig(root=tmp_path, bytes_to_use="4MiB", queue_depth=4)
         tiers.append(await cfg.open_below(lay, region))
-        specs.append(LowerTier("file"))
+        specs.append(LowerTier("file", write_back=write_back))
     if cluster is not None:
         ccfg = ClusterTierConfig(
             nodes=tuple(f"{h}:{p}" for h, p in cluster.startup), tenant_prefix="chain"
@@ -246,3 +250,72 @@ async def test_a_read_that_never_gets_a_row_ends_as_a_miss(tmp_path: Path) -> No
         assert a.chain.lookup(ks[0]) is Answer.RETRY  # rows again: a fresh try
         await a.step()
         assert a.serves(ks[0])
+
+
+async def test_write_back_on_eviction_holds_the_rows_until_written(tmp_path: Path) -> None:
+    async with instance(tmp_path, None, write_back=True) as a:
+        ks = keys(8, "back")
+        await a.store(ks[:4])  # all 4 rows, written nowhere yet
+        assert a.chain.lower_of(ks[0]) is None
+        assert a.chain.statistics().tiers["file"].blocks_in == 0
+        # Two new blocks evict the two least recently used: their rows are
+        # their only copy, so each goes to the file tier before reuse.
+        plan = a.chain.place(ks[4:6])
+        assert plan is not None
+        victims = list(plan.evicted)
+        assert len(victims) == 2
+        assert set(victims) <= set(ks[:4])
+        (write,) = a.chain.evicting_writes(plan)
+        assert write.evicting
+        assert set(write.keys) == set(plan.evicted)
+        assert set(write.slots) <= set(plan.slots)
+        # A promotion into one of those rows waits for the write-back too.
+        await a.step()
+        assert a.chain.evicting_writes(plan) == ()
+        assert all(a.chain.lower_of(k) == 0 for k in victims)
+        for k, slot in zip(plan.keys, plan.slots, strict=True):
+            a.region.row(slot)[:] = content(k)
+        a.chain.stored(plan.keys, True)
+        # At close, the rest goes down; then every block is served, from file or CPU.
+        assert a.chain.write_back() == 4
+        await a.step()
+        assert a.chain.write_back() == 0
+        st = a.chain.statistics()
+        assert st.tiers["file"].blocks_in == 6
+        assert st.tiers["file"].write_backs == 6
+        assert st.rows_held_by_writes == 0
+        reads = a.chain.promote(victims)  # evicts two rows, already written: no hold
+        assert [set(r.keys) for r in reads] == [set(victims)]
+        await a.step()
+        assert all(a.serves(k) for k in victims)
+
+
+async def test_a_read_into_a_row_being_written_back_waits_for_it(tmp_path: Path) -> None:
+    async with instance(tmp_path, None, write_back=True) as a:
+        ks = keys(5, "held")
+        x = keys(1, "on-file")[0]
+        await a.store([x])
+        assert a.chain.write_back() == 1  # x on file, and in a CPU row
+        await a.step()
+        await a.store(ks[:3])  # the CPU tier full: x (oldest), then three dirty blocks
+        await a.store(ks[3:4])  # evicts x, which the file tier holds: nothing to write
+        assert x not in a.chain.cpu
+        assert a.chain.lower_of(x) == 0
+        # Promoting x evicts the least recently used dirty block: its row is
+        # written back first, and the read into that row is held until then.
+        (read,) = a.chain.promote([x])
+        intents = a.chain.take_intents()
+        (write,) = intents
+        assert isinstance(write, Write)
+        assert write.evicting
+        (victim,) = write.keys
+        assert victim in ks[:4]
+        assert write.slots == read.slots
+        for intent in intents:
+            a.driver.carry_out(intent)
+        await a.settle(1)  # the write-back's outcome releases the read
+        assert a.chain.take_intents() == [read]
+        a.driver.carry_out(read)
+        await a.settle(1)
+        assert a.serves(x)
+        assert a.chain.lower_of(victim) == 0  # written back, and served from there
