@@ -328,6 +328,16 @@ def test_kills_mid_write_and_mid_read(
                 **figures,
             }
         )
+        # The reliability table's columns (benchmarks/reliability_report.py):
+        # two processes SIGKILLed (a writer, a reader), every block loaded and
+        # checked byte for byte, and the wrong bytes among them (0: no wrong block).
+        report.update(
+            crash_cycles=2,
+            blocks_verified=int(report["reader_hits"])  # type: ignore[call-overload]
+            + int(report.get("dead_writer_loaded", 0))  # type: ignore[call-overload]
+            + int(report.get("survivor_final_blocks_loaded", 0)),  # type: ignore[call-overload]
+            wrong_blocks_served=report["wrong_bytes"],
+        )
     finally:
         if sampler is not None:
             sampler.stop()
