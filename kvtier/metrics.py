@@ -39,9 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from kvtier.errors import ConfigurationError
 from kvtier.manager import ManagerStatistics
-from kvtier.tiers.base import TierStatistics
-from kvtier.tiers.cluster import ClusterTierStatistics
-from kvtier.tiers.file import FileTierStatistics
+from kvtier.tiers.base import HasMetrics, TierStatistics
 
 if TYPE_CHECKING:
     import threading
@@ -334,7 +332,7 @@ class Counted(Protocol):
         ...
 
 
-Own = ManagerStatistics | FileTierStatistics | ClusterTierStatistics | TierStatistics
+Own = ManagerStatistics | TierStatistics
 
 
 def tier_metrics(
@@ -396,26 +394,10 @@ def tier_metrics(
         "write_failures_total": own.store_failures if write_failures is None else write_failures,
         "resident_blocks": own.blocks,
     }
-    if isinstance(own, FileTierStatistics):
-        figures.update(
-            # Every block failing verification has its slot quarantined.
-            integrity_failures_total=own.quarantined,
-            quarantined_blocks_total=own.quarantined,
-            evictions_total=own.evictions,
-            used_bytes=own.used_bytes,
-            capacity_bytes=own.capacity_bytes,
-            recovery_blocks=own.recovered_blocks,
-            recovery_torn_slots=own.torn_slots,
-            recovery_seconds=own.recovery_seconds,
-            recovery_state=own.recovery,
-            vanished_blocks_total=own.peer_stale,
-            peer_blocks=own.peer_blocks,
-        )
-    elif isinstance(own, ClusterTierStatistics):
-        figures.update(
-            integrity_failures_total=own.verification_failures,
-            vanished_blocks_total=own.vanished,
-        )
+    if isinstance(own, HasMetrics):
+        # What only this kind of tier measures, by the names of TierMetrics:
+        # each tier's record says it itself.
+        figures.update(own.metric_figures())
     return TierMetrics(**figures)
 
 

@@ -39,6 +39,7 @@ from kvtier.transfer.completion import Completion
 
 __all__ = [
     "Announces",
+    "HasMetrics",
     "LoadResult",
     "Recovers",
     "Refreshable",
@@ -151,6 +152,15 @@ class Announces(Protocol):
 
     def take_events(self) -> list[ManagerEvent]:
         """Residency events since the last call (blocks stored, evicted, quarantined)."""
+        ...
+
+
+@runtime_checkable
+class HasMetrics(Protocol):
+    """A tier's statistics record that adds figures of its own to kvtier's metrics."""
+
+    def metric_figures(self) -> dict[str, int | float | str]:
+        """Figures by the field names of :class:`kvtier.metrics.TierMetrics`."""
         ...
 
 

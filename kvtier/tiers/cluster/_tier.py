@@ -139,6 +139,13 @@ class ClusterTierStatistics:
     reconnects: int
     """Tries to talk again to a node after a failure."""
 
+    def metric_figures(self) -> dict[str, int | float | str]:
+        """The cluster tier's own figures of :class:`kvtier.metrics.TierMetrics`."""
+        return {
+            "integrity_failures_total": self.verification_failures,
+            "vanished_blocks_total": self.vanished,
+        }
+
 
 @dataclass(slots=True)
 class _Counters:

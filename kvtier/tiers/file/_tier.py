@@ -185,6 +185,23 @@ class FileTierStatistics:
     """Reads from other partitions that found the slot rewritten or cleared by
     its owner meanwhile: misses, not damage (also in ``misses``)."""
 
+    def metric_figures(self) -> dict[str, int | float | str]:
+        """The file tier's own figures of :class:`kvtier.metrics.TierMetrics`."""
+        return {
+            # Every block failing verification has its slot quarantined.
+            "integrity_failures_total": self.quarantined,
+            "quarantined_blocks_total": self.quarantined,
+            "evictions_total": self.evictions,
+            "used_bytes": self.used_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "recovery_blocks": self.recovered_blocks,
+            "recovery_torn_slots": self.torn_slots,
+            "recovery_seconds": self.recovery_seconds,
+            "recovery_state": self.recovery,
+            "vanished_blocks_total": self.peer_stale,
+            "peer_blocks": self.peer_blocks,
+        }
+
 
 class FileTier(Tier):
     """Blocks in slots of one preallocated file under a root directory.
