@@ -147,6 +147,27 @@ def test_frozen() -> None:
             id="ft-qd",
         ),
         pytest.param(
+            {"cpu_bytes_to_use": 1, "file_tier": {"root": "/x", "bytes_to_use": 1, "instances": 0}},
+            r"file_tier.instances: .*greater than or equal to 1",
+            id="ft-instances-0",
+        ),
+        pytest.param(
+            {
+                "cpu_bytes_to_use": 1,
+                "file_tier": {"root": "/x", "bytes_to_use": 1, "instances": 257},
+            },
+            r"file_tier.instances: .*less than or equal to 256",
+            id="ft-instances-many",
+        ),
+        pytest.param(
+            {
+                "cpu_bytes_to_use": 1,
+                "file_tier": {"root": "/x", "bytes_to_use": 1, "peer_poll_s": 0},
+            },
+            r"file_tier.peer_poll_s: .*greater than 0",
+            id="ft-peer-poll",
+        ),
+        pytest.param(
             {"cpu_bytes_to_use": 1, "shared_region_name": "../etc"},
             r"shared_region_name: String should match pattern",
             id="shm-name",
