@@ -183,7 +183,7 @@ def prepare(config: FileTierConfig, layout: KVLayout, block_bytes: int, alignmen
     Raises
     ------
     BusyError
-        When another tier has the namespace open.
+        When every partition of the namespace is open in a live tier.
     NamespaceMismatchError
         When ``namespace.json`` describes another block size or namespace.
     CapacityError

@@ -360,7 +360,9 @@ class FileTier(Tier):
         DirectIOUnsupportedError
             With ``direct_io="require"`` on a filesystem that refuses O_DIRECT.
         BusyError
-            When another process has this namespace directory open.
+            When every one of the 256 partitions of the namespace is open in a
+            live tier (a tier opened while another holds the namespace takes a
+            partition of its own: see ``docs/file-tier.md``, "Sharing a root").
         TierIOError
             When the directories or the slot file cannot be created, read or
             reserved (``ENOSPC`` when the disk filled after the free space was
