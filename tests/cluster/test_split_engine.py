@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
+from support.processes import Children
 
 from kvtier import KVLayout, KVTierConfig, chain_keys
 from kvtier.engine import Engine
-from kvtier.testing.processes import Children
 from kvtier.testing.valkey import ValkeyCluster
 from kvtier.workers import WorkerGroup
 

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.processes import Children
 
 from kvtier.cli import main
 from kvtier.errors import InvalidArgumentError, SharedRegionError
 from kvtier.layout import KVLayout
 from kvtier.region import CPURegion, _shm, reap_shared_regions
-from kvtier.testing.processes import Children
 
 WORKER = Path(__file__).with_name("_worker.py")
 BUDGET = 1 << 20

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from support.filesystems import refusing_direct_io_dir
+from support.slots import find_block
 
 from kvtier import (
     BlockNotFoundError,
@@ -39,8 +41,6 @@ from kvtier import (
     chain_keys,
 )
 from kvtier.engine import Engine
-from kvtier.testing.filesystems import refusing_direct_io_dir
-from kvtier.testing.slots import find_block
 from kvtier.tiers.block_format import HEADER_BYTES, BlockHeader, decode_header, encode_header
 
 sys.path.insert(0, str(Path(__file__).parent))

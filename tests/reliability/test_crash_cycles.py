@@ -20,8 +20,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from support.slots import block_offsets
+
 from kvtier.config import FileTierConfig
-from kvtier.testing.slots import block_offsets
 from kvtier.tiers.file import FileTier
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.slots import block_offsets
 
 from kvtier.testing.faults import FaultPlan, FaultyDeviceTransfer, FaultyIOEngine
-from kvtier.testing.slots import block_offsets
 from kvtier.transfer.device import DeviceTransfer
 from kvtier.transfer.io_engine import open_io_engine
 

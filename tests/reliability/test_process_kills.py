@@ -42,9 +42,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.processes import Children
 
 from kvtier.engine import Engine
-from kvtier.testing.processes import Children
 from kvtier.workers import WorkerGroup, WorkerThread
 
 HERE = Path(__file__).parents[1] / "workers"

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.slots import block_offsets
 
 from kvtier import TierIOError, chain_keys
-from kvtier.testing.slots import block_offsets
 
 sys.path.insert(0, str(Path(__file__).parent))
 from workload import BPC, make_kv, make_layout, open_engine, verify_everything, write_blocks

@@ -52,9 +52,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.processes import Children
 
 from kvtier.errors import BlockNotFoundError, IntegrityError, KVTierError
-from kvtier.testing.processes import Children
 from kvtier.tiers.block_format import HEADER_BYTES
 from kvtier.tiers.file import FileTier
 from kvtier.tiers.file._description import partition_dir_name

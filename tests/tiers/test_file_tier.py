@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import pytest
 import pytest_asyncio
+from support.filesystems import refusing_direct_io_dir
 
 from kvtier.config import FileTierConfig
 from kvtier.errors import (
@@ -39,7 +40,6 @@ from kvtier.errors import (
     TierIOError,
 )
 from kvtier.layout import KVLayout, TensorSpec
-from kvtier.testing.filesystems import refusing_direct_io_dir
 from kvtier.testing.io_engine import FaultyEngine, aligned_buffer, cancel_one_awaiter
 from kvtier.tiers.block_format import (
     HEADER_BYTES,
@@ -1193,7 +1193,7 @@ async def test_symlinked_subdirectory_refused(
 
 @pytest.fixture
 def refusing_dir(tmp_path: Path) -> Iterator[Path]:
-    """A directory on a filesystem that refuses O_DIRECT (see kvtier.testing.filesystems)."""
+    """A directory on a filesystem that refuses O_DIRECT (see support.filesystems)."""
     with refusing_direct_io_dir(tmp_path) as root:
         yield root
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
+from support.processes import Children
 
 from kvtier import (
     BusyError,
@@ -34,7 +35,6 @@ from kvtier import (
 )
 from kvtier.engine import Engine
 from kvtier.region import CPURegion
-from kvtier.testing.processes import Children
 from kvtier.transfer.device import DeviceTransfer
 from kvtier.workers import Worker, WorkerGroup, WorkerThread
 from kvtier.workers.jobs import (
