@@ -318,3 +318,31 @@ async def test_two_engines_on_one_root_serve_each_others_prefixes(tmp_path: Path
         assert isinstance(own, FileTierStatistics)
         assert own.peer_hits == len(ks)
         assert own.partition.endswith(".1")
+
+
+async def test_a_partition_dropped_under_a_read_keeps_its_descriptor_until_the_read_ends(
+    open_tier: OpenTier,
+) -> None:
+    a = await open_tier()
+    ks = keys(6)
+    rows = pattern_rows(ks)
+    await a.store(ks, rows.rows())
+    b = await open_tier(peer_poll_s=10)  # b's view changes only where the test says
+    assert b.lookup(ks) == len(ks)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    out = Rows(len(ks))
+    pending = b.load(ks, out.rows())  # submitted: reads in flight on a's slot file
+    # A new owner replaced a's index meanwhile: b drops the partition and maps it again.
+    index = a.path / "index"
+    copy = a.path / "tmp" / "index.copy"
+    copy.write_bytes(index.read_bytes())
+    os.replace(copy, index)
+    b._peers.scan()  # what b's next listing of the root does
+    result = await pending
+    assert result.loaded == tuple(ks)  # the reads finished on the descriptor they began on
+    assert all(out.block(i) == rows.block(i) for i in range(len(ks)))
+    await asyncio.sleep(0)
+    # The dropped partition's descriptor is closed once its read ended: one
+    # descriptor and one mapping for a's partition, as before.
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert b.statistics().peer_partitions == 1

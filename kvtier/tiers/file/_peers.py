@@ -63,6 +63,9 @@ class _Partition:
     index: IndexReader
     keys: list[bytes | None]
     """The key each of its slots holds, as last read from its index."""
+    reads: int = 0
+    """Read calls in flight on ``fd``: it is closed only once none is."""
+    dropped: bool = False
 
 
 @dataclass(slots=True)
@@ -223,6 +226,7 @@ class Peers:
         slots = [next(s for p, s in self._where[k] if p is part) for k in keys]
         offsets = [s * self._file_bytes for s in slots]
         left = [count]
+        part.reads += 1
 
         def reaped(done: list[tuple[int, int, BaseException | None]]) -> None:
             bad = dict(
@@ -259,6 +263,9 @@ class Peers:
                 memory.release()
                 with contextlib.suppress(BufferError):
                     pages_map.close()
+                part.reads -= 1
+                if part.dropped and not part.reads:
+                    self._release(part)
             if not read.left:
                 self._finish(read)
 
@@ -316,6 +323,13 @@ class Peers:
             if key is not None:
                 self._unplace(key, part, slot)
         del self._parts[part.name]
+        part.dropped = True
+        if not part.reads:
+            # (With reads in flight the descriptor stays open until the last
+            # ends: closed now, its number could name another file meanwhile.)
+            self._release(part)
+
+    def _release(self, part: _Partition) -> None:
         part.index.close()
         os.close(part.fd)
 
