@@ -323,13 +323,16 @@ async def test_two_engines_on_one_root_serve_each_others_prefixes(tmp_path: Path
 async def test_a_partition_dropped_under_a_read_keeps_its_descriptor_until_the_read_ends(
     open_tier: OpenTier,
 ) -> None:
-    a = await open_tier()
+    # Neither tier polls or lists the root on its own during the test (every
+    # 10 s): the descriptors counted are those the test's steps open and close.
+    a = await open_tier(peer_poll_s=10)
     ks = keys(6)
     rows = pattern_rows(ks)
     await a.store(ks, rows.rows())
     b = await open_tier(peer_poll_s=10)  # b's view changes only where the test says
     assert b.lookup(ks) == len(ks)
     fds_before = len(os.listdir("/proc/self/fd"))
+    (old,) = b._peers._parts.values()
     out = Rows(len(ks))
     pending = b.load(ks, out.rows())  # submitted: reads in flight on a's slot file
     # A new owner replaced a's index meanwhile: b drops the partition and maps it again.
@@ -338,11 +341,21 @@ async def test_a_partition_dropped_under_a_read_keeps_its_descriptor_until_the_r
     copy.write_bytes(index.read_bytes())
     os.replace(copy, index)
     b._peers.scan()  # what b's next listing of the root does
+    # Nothing has yielded since the load: its reads are in flight, so the old
+    # descriptor stays open beside the new one (closed at once, its number
+    # could name another file under the reads still queued).
+    assert old.dropped
+    assert old.reads == 1
+    assert os.fstat(old.fd).st_ino == (a.path / "blocks.dat").stat().st_ino
+    (new,) = b._peers._parts.values()
+    assert new is not old
+    assert new.fd != old.fd
     result = await pending
     assert result.loaded == tuple(ks)  # the reads finished on the descriptor they began on
     assert all(out.block(i) == rows.block(i) for i in range(len(ks)))
     await asyncio.sleep(0)
     # The dropped partition's descriptor is closed once its read ended: one
     # descriptor and one mapping for a's partition, as before.
+    assert old.reads == 0
     assert len(os.listdir("/proc/self/fd")) == fds_before
     assert b.statistics().peer_partitions == 1
