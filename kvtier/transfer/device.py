@@ -70,6 +70,7 @@ __all__ = [
     "RunsNow",
     "TransferStatistics",
     "check_block_ids",
+    "check_rows",
     "open_device_transfer",
 ]
 
@@ -391,6 +392,24 @@ def check_block_ids(
     return out
 
 
+def check_rows(rows: Sequence[int] | np.ndarray, count: int, *, unique: bool) -> np.ndarray:
+    """Validate CPU-region rows: in ``[0, count)``, and named once each with ``unique``
+    (a store); as an ``int64`` array.
+
+    Raises
+    ------
+    InvalidArgumentError
+        For rows that are not flat integers, out of range, or repeated.
+    """
+    r = _as_index(rows, "rows")
+    bad = _index_problem(r, count, unique)
+    if bad == 1:
+        raise InvalidArgumentError(f"rows must be in [0, {count}), got {r.tolist()[:8]}")
+    if bad == 2:
+        raise InvalidArgumentError("a store names the same row twice")
+    return r
+
+
 def _index_problem(arr: np.ndarray, bound: int, unique: bool) -> int:
     """0 when every value of ``arr`` is in ``[0, bound)`` (and, with ``unique``,
     none repeats); 1 for one out of range, 2 for a repeat."""
@@ -622,13 +641,7 @@ class _ThreadedTransfer(DeviceTransfer):
             raise ClosedError("the device transfer is closed")
 
     def _check_rows(self, rows: Sequence[int] | np.ndarray, *, unique: bool) -> np.ndarray:
-        r = _as_index(rows, "rows")
-        bad = _index_problem(r, self._rows, unique)
-        if bad == 1:
-            raise InvalidArgumentError(f"rows must be in [0, {self._rows}), got {r.tolist()[:8]}")
-        if bad == 2:
-            raise InvalidArgumentError("a store names the same row twice")
-        return r
+        return check_rows(rows, self._rows, unique=unique)
 
     def _check_ids(self, ids: BlockIds, count: int, *, unique: bool) -> dict[int, np.ndarray]:
         return check_block_ids(self._layout, ids, count, unique=unique)

@@ -76,8 +76,8 @@ from kvtier.transfer.device import (
     BlockIds,
     DeviceTransfer,
     TransferStatistics,
-    _as_index,
     check_block_ids,
+    check_rows,
 )
 from kvtier.workers.jobs import (
     PIPE_BUF,
@@ -498,9 +498,7 @@ class WorkerGroup(DeviceTransfer):
         self, device_block_ids: BlockIds, rows: Sequence[int] | np.ndarray
     ) -> Completion[None]:
         layout = self._usable()
-        r = self._check_rows(rows)
-        if np.unique(r).size != r.size:
-            raise InvalidArgumentError("a store names the same row twice")
+        r = check_rows(rows, self._rows, unique=True)
         bpc = layout.blocks_per_chunk
         ids = check_block_ids(layout, device_block_ids, r.size * bpc, unique=False)
         return self._submit(JobSpec(self._new_id(), "store", r, ids, 0), r.size * bpc)
@@ -509,7 +507,7 @@ class WorkerGroup(DeviceTransfer):
         self, rows: Sequence[int] | np.ndarray, device_block_ids: BlockIds, skip: int = 0
     ) -> Completion[None]:
         layout = self._usable()
-        r = self._check_rows(rows)
+        r = check_rows(rows, self._rows, unique=False)
         bpc = layout.blocks_per_chunk
         if isinstance(skip, bool) or not isinstance(skip, int | np.integer):
             raise InvalidArgumentError(f"skip must be an int, got {skip!r}")
@@ -532,12 +530,6 @@ class WorkerGroup(DeviceTransfer):
         ):
             raise ClosedError("the worker group has not started (Engine.open starts it)")
         return self._layout
-
-    def _check_rows(self, rows: Sequence[int] | np.ndarray) -> np.ndarray:
-        r = _as_index(rows, "rows")
-        if r.size and (int(r.min()) < 0 or int(r.max()) >= self._rows):
-            raise InvalidArgumentError(f"rows must be in [0, {self._rows}), got {r.tolist()[:8]}")
-        return r
 
     def _new_id(self) -> int:
         self._next_job += 1
