@@ -369,13 +369,14 @@ class Chain:
     def place(self, keys: Sequence[bytes], keep: Sequence[bytes] = ()) -> StorePlan | None:
         """CPU rows for the longest prefix of the new ``keys`` that fits now, or None.
 
-        Keys in the CPU tier already are skipped; refused keys are counted.
+        ``keys`` are not in the CPU tier (both fronts leave those out before
+        they call, so it is not looked at again here); refused keys are counted.
         Ready blocks of ``keep`` are not evicted to make room (without a tier
         below, a request must not evict its own prefix for its tail). The
         rows of blocks it evicts that a write-back tier still lacks are not
         free until :meth:`evicting_writes` of the plan end.
         """
-        todo = [k for k in keys if k not in self.cpu]
+        todo = list(keys)
         if not todo:
             return None
         held = [k for k in keep if self.cpu.is_ready(k)]
@@ -454,6 +455,8 @@ class Chain:
 
     def evicting_writes(self, plan: StorePlan) -> tuple[Write, ...]:
         """The write-backs the rows of ``plan`` wait for (their evicted blocks)."""
+        if not self._evicting:
+            return ()  # the usual case, on every store's path
         out: dict[int, Write] = {}
         for slot in plan.slots:
             w = self._evicting.get(slot)
@@ -511,6 +514,8 @@ class Chain:
 
     def take_intents(self) -> list[Intent]:
         """What to carry out now: writes, reads into reserved rows, probes."""
+        if not (self._intents or self._to_read or self._to_probe):
+            return []  # most calls: a store with nothing below, a step with nothing new
         self._start_reads()
         for i, keys in self._to_probe.items():
             self._lower[i].counts.probes += len(keys)
@@ -581,10 +586,12 @@ class Chain:
     def _evicted(self, plan: StorePlan) -> None:
         """A victim whose only copy is its row goes to each write-back tier lacking it
         first: the row is not reused until that write ends."""
-        slot_of = dict(zip(plan.evicted, plan.evicted_slots, strict=True))
+        slot_of: dict[bytes, int] | None = None
         for i, tier in enumerate(self._lower):
             if not tier.dirty:
                 continue
+            if slot_of is None:
+                slot_of = dict(zip(plan.evicted, plan.evicted_slots, strict=True))
             victims = [k for k in plan.evicted if k in tier.dirty]
             for k in victims:
                 del tier.dirty[k]

@@ -989,8 +989,8 @@ class Engine:
             present += len(todo) - len(fresh)
             todo = fresh
             if stream:
-                room = self._room()
-                plan = self._chain.place(todo[:room]) if todo and room else None
+                # (the chain places the leading keys that the free or evictable rows take)
+                plan = self._chain.place(todo) if todo else None
             else:
                 # Without a lower tier an evicted block is gone: the call must
                 # not make room for its tail by evicting its own prefix.
