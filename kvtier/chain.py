@@ -180,6 +180,9 @@ class TierChanged:
     tier: int
     added: tuple[bytes, ...] = ()
     removed: tuple[bytes, ...] = ()
+    recovered: bool = False
+    """Its recovery at open ended (``added`` is what it found): it takes writes
+    again (see :meth:`Chain.recovering`)."""
 
 
 Outcome = Written | ReadDone | Probed | TierChanged
@@ -246,6 +249,11 @@ class _Lower:
     """Shared tiers: keys a probe found absent, and when (oldest first)."""
     dirty: dict[bytes, None] = field(default_factory=dict)
     """Write-back tiers: ready CPU blocks it has not been given yet."""
+    recovering: bool = False
+    """Its recovery at open goes on: it refuses writes until it ends."""
+    held: dict[bytes, None] = field(default_factory=dict)
+    """Write-back tiers while recovering: dirty blocks pinned in their CPU rows
+    (an eviction would hand them to a write the tier refuses: lost)."""
 
     def learn(self, keys: Iterable[bytes], limit: int) -> None:
         known = self.known
@@ -468,6 +476,7 @@ class Chain:
         """Hand every write-back tier the ready blocks it lacks (at close); how many."""
         count = 0
         for i, tier in enumerate(self._lower):
+            self._release_held(tier)
             if not tier.dirty:
                 continue
             ready = [k for k in tier.dirty if self.cpu.is_ready(k) and k not in tier.known]
@@ -482,8 +491,20 @@ class Chain:
         """Forget what write-back tiers were still to be given (a close's timeout); how many."""
         left = {k for t in self._lower for k in t.dirty if self.cpu.is_ready(k)}
         for t in self._lower:
+            self._release_held(t)
             t.dirty.clear()
         return len(left)
+
+    def recovering(self, index: int) -> None:
+        """Lower tier ``index`` refuses writes until its recovery ends.
+
+        That end is a :class:`TierChanged` with ``recovered``. Meanwhile the
+        blocks a write-back tier is owed stay pinned in their CPU rows: evicted,
+        they would go to a write the tier refuses, and their only copy would
+        be lost. Stores find fewer rows to evict meanwhile (a refusal is a
+        recompute later; a lost block is not).
+        """
+        self._lower[index].recovering = True
 
     def probe(self, index: int, keys: Sequence[bytes]) -> Probe:
         """Ask lower tier ``index`` which of ``keys`` it holds: the :class:`Probe` queued."""
@@ -551,6 +572,10 @@ class Chain:
             tier = self._lower[outcome.tier]
             tier.learn(outcome.added, self._limit(tier))
             tier.forget(outcome.removed)
+            self._orphaned(outcome.tier, outcome.removed)
+            if outcome.recovered and tier.recovering:
+                tier.recovering = False
+                self._release_held(tier)
 
     def statistics(self) -> ChainStatistics:
         """A snapshot of the counters."""
@@ -604,6 +629,32 @@ class Chain:
             for slot in w.slots:
                 self._evicting[slot] = w
 
+    def _mark_dirty(self, tier: _Lower, keys: Sequence[bytes]) -> None:
+        tier.dirty.update(dict.fromkeys(keys))
+        if tier.recovering:
+            hold = [k for k in dict.fromkeys(keys) if k not in tier.held]
+            if hold:
+                self.cpu.prepare_load(hold)  # a pin against eviction, not a load
+                tier.held.update(dict.fromkeys(hold))
+
+    def _release_held(self, tier: _Lower) -> None:
+        if tier.held:
+            held = list(tier.held)
+            tier.held.clear()
+            self.cpu.complete_load(held)
+
+    def _orphaned(self, index: int, keys: Sequence[bytes]) -> None:
+        """A write-back tier dropped ``keys`` (evicted, or a peer's partition went):
+        a block still ready in a CPU row has its only copy there again, so the
+        tier is owed it (written when the CPU tier evicts it, or at close)."""
+        tier = self._lower[index]
+        if not keys or not tier.spec.write_back:
+            return
+        is_ready = self.cpu.is_ready
+        owed = [k for k in keys if k not in tier.known and k not in tier.dirty and is_ready(k)]
+        if owed:
+            self._mark_dirty(tier, owed)
+
     def _limit(self, tier: _Lower) -> int:
         # A tier of this instance's own is known exactly; a shared one is bounded.
         return self._known_limit if tier.spec.shared else 1 << 62
@@ -654,6 +705,7 @@ class Chain:
         tier = self._lower[write.tier]
         tier.learn(done.stored, self._limit(tier))
         tier.forget(done.evicted)
+        self._orphaned(write.tier, done.evicted)
         ok = [k for k in write.keys if k in done.stored]
         tier.counts.blocks_in += len(ok)
         tier.counts.write_failures += len(write.keys) - len(ok)
@@ -678,7 +730,7 @@ class Chain:
             if not todo:
                 continue
             if tier.spec.write_back:
-                tier.dirty.update(dict.fromkeys(todo))  # written when evicted, or at close
+                self._mark_dirty(tier, todo)  # written when evicted, or at close
                 continue
             self._pin_and_write(i, todo)
 

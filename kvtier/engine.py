@@ -448,6 +448,7 @@ class Engine:
             tier = link.tier
             if isinstance(tier, Recovers):
                 if tier.recovering:  # its blocks join the chain once the scan ends
+                    self._chain.recovering(i)
                     task = asyncio.ensure_future(self._seed(i, tier))
                     self._seeding.add(task)
                     task.add_done_callback(self._seeding.discard)
@@ -462,7 +463,9 @@ class Engine:
         with contextlib.suppress(Exception):  # a failed recovery leaves the tier empty; it logs
             await tier.wait_recovered()
         if not self._closed:
-            self._chain.settle(TierChanged(index, added=tuple(tier.take_recovered_keys())))
+            self._chain.settle(
+                TierChanged(index, added=tuple(tier.take_recovered_keys()), recovered=True)
+            )
 
     def _peers_changed(self, index: int, added: Sequence[bytes], removed: Sequence[bytes]) -> None:
         self._chain.settle(TierChanged(index, added=tuple(added), removed=tuple(removed)))

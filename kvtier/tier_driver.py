@@ -75,9 +75,8 @@ class TierDriver:
             self._probe(intent)
 
     def seed(self, index: int, keys: Sequence[bytes]) -> None:
-        """Post what a tier holds already (recovered at open)."""
-        if keys:
-            self._post(TierChanged(index, added=tuple(keys)))
+        """Post what a tier found at open, once its recovery has ended (it takes writes)."""
+        self._post(TierChanged(index, added=tuple(keys), recovered=True))
 
     # -- inside --------------------------------------------------------------------------
 

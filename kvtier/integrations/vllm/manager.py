@@ -180,6 +180,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             if not isinstance(tier, Recovers):
                 continue
             if tier.recovering:  # the scan goes on: its blocks join when it ends
+                self._chain.recovering(i)
                 asyncio.run_coroutine_threadsafe(self._seed(i, tier), loop.loop)
             else:  # found at open: known before vLLM's first lookup
                 keys = loop.run(_recovered(tier))
@@ -635,7 +636,8 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     async def _seed(self, index: int, tier: Recovers) -> None:
         # A failed recovery leaves the tier empty; it logs why itself.
-        await tier.wait_recovered()
+        with contextlib.suppress(Exception):
+            await tier.wait_recovered()
         self._driver.seed(index, tier.take_recovered_keys())
         self._snapshot(index)
 
