@@ -222,7 +222,11 @@ class ChainStatistics:
     store_refusals: int
     """Blocks a :meth:`Chain.place` could not give a row."""
     deadline_misses: int
-    """Lookups answered MISS because a read or probe outlasted the deadline."""
+    """Lookups answered MISS because a read or probe outlasted the deadline
+    (the key's own, or its request's: see :meth:`Chain.lookup`)."""
+    row_limit_misses: int
+    """Lookups answered MISS because the request's prefix before them already
+    needed every CPU row (the rest of it is recomputed)."""
     rows_held_by_writes: int
     """CPU rows pinned now for writes to lower tiers."""
 
@@ -237,6 +241,20 @@ class _Waiting:
     read: bool = False
     issued: bool = False
     """Its read or probe went to the driver (else it waits for a row)."""
+
+
+@dataclass(slots=True)
+class _Request:
+    """One request's lookups (a front that names its requests: vLLM)."""
+
+    seen: dict[bytes, None] = field(default_factory=dict)
+    """Keys looked up in its current pass over its prefix."""
+    since: float | None = None
+    """When its current wait began (its first RETRY or PENDING), or None."""
+    deferred: bool = False
+    """Its current pass answered RETRY or PENDING somewhere."""
+    last: float = 0.0
+    """When it last looked a key up."""
 
 
 @dataclass(slots=True)
@@ -323,15 +341,105 @@ class Chain:
         """CPU rows whose evicted block is being written back, and that write."""
         self._deferred: list[Read] = []
         """Reads into rows whose evicted block is still being written back."""
+        self._rows = cpu.statistics().capacity
+        self._requests: dict[object, _Request] = {}
+        """Requests looking up, least recently active first."""
+        self._forget_after = max(60.0, 10 * lookup_deadline_s)
         self._lookups = 0
         self._refusals = 0
         self._late = 0
+        self._row_limited = 0
         self._logged_late = False
 
     # -- what the front asks -------------------------------------------------------------
 
-    def lookup(self, key: bytes) -> Answer:
-        """Where ``key`` can be served from now; queues a read or a probe when it helps."""
+    def lookup(self, key: bytes, request: object = None) -> Answer:
+        """Where ``key`` can be served from now; queues a read or a probe when it helps.
+
+        Parameters
+        ----------
+        key
+            The block's key.
+        request
+            Who asks (any hashable; vLLM's request id), for a front that looks
+            a request's prefix up key by key, in order, once per scheduler
+            step, as vLLM does. Then two rules hold per request, not per key:
+
+            * **Its wait is bounded.** From its first RETRY or PENDING answer,
+              a request may wait ``lookup_deadline_s``; past it every answer
+              but HIT is MISS, so it loads what is in CPU rows and recomputes
+              the rest. (Per key, a wait would start afresh each time a
+              promoted block was evicted before the request came back.)
+            * **Its prefix fits the CPU tier.** Only as many leading keys as
+              the CPU tier has rows can be loaded at once (every load is
+              staged through a row): a key past that is MISS, counted in
+              ``row_limit_misses``, and the request's hits are marked
+              recently used so that its own promotions evict other blocks
+              first.
+
+            A key seen again starts a new pass (the next step's lookup);
+            :meth:`forget_request` drops a finished request (requests idle
+            for long are dropped anyway).
+        """
+        if request is None:
+            return self._lookup(key)
+        now = self._clock()
+        requests = self._requests
+        req = requests.pop(request, None)
+        if req is None:
+            req = _Request()
+            if requests:
+                self._sweep(now)
+        requests[request] = req  # most recently active last
+        req.last = now
+        seen = req.seen
+        if key in seen:  # a new pass over its prefix
+            if not req.deferred:
+                req.since = None  # the last pass was answered: a new wait
+            seen.clear()
+            req.deferred = False
+        seen[key] = None
+        if len(seen) > self._rows:
+            self._lookups += 1
+            self._row_limited += 1
+            return Answer.MISS
+        answer = self._lookup(key)
+        if answer is Answer.HIT:
+            self.cpu.touch((key,))
+        elif answer is not Answer.MISS:
+            if req.since is None:
+                req.since = now
+            elif now - req.since >= self._deadline:
+                self._late += 1
+                self._warn_late("its request's wait")
+                return Answer.MISS
+            req.deferred = True
+        return answer
+
+    def forget_request(self, request: object) -> None:
+        """``request`` looks nothing up any more (it finished)."""
+        self._requests.pop(request, None)
+
+    def _sweep(self, now: float) -> None:
+        requests = self._requests
+        while requests:
+            oldest = next(iter(requests))
+            if now - requests[oldest].last < self._forget_after:
+                return
+            del requests[oldest]
+
+    def _warn_late(self, what: str) -> None:
+        if not self._logged_late:
+            self._logged_late = True
+            log.warning(
+                "kvtier: a lookup waited on %s for more than %.3f s (lookup_deadline_s): "
+                "answered as a miss, the block is recomputed; logged once, counted as "
+                "deadline_misses",
+                what,
+                self._deadline,
+            )
+
+    def _lookup(self, key: bytes) -> Answer:
         self._lookups += 1
         cpu = self.cpu
         if cpu.lookup((key,)):
@@ -348,16 +456,8 @@ class Chain:
                 del self._waiting[key]
                 self._to_read.pop(key, None)
             self._late += 1
-            if not self._logged_late:
-                self._logged_late = True
-                where = self._lower[waiting.tier].spec.name if waiting.read else "a shared tier"
-                log.warning(
-                    "kvtier: a lookup waited on %s for more than %.3f s (lookup_deadline_s): "
-                    "answered as a miss, the block is recomputed; logged once, counted as "
-                    "deadline_misses",
-                    f"a read from the {where} tier" if waiting.read else where,
-                    self._deadline,
-                )
+            where = self._lower[waiting.tier].spec.name if waiting.read else "a shared tier"
+            self._warn_late(f"a read from the {where} tier" if waiting.read else where)
             return Answer.MISS
         if key in cpu:
             return Answer.PENDING  # its store from the device is in flight
@@ -587,6 +687,7 @@ class Chain:
             lookups=self._lookups,
             store_refusals=self._refusals,
             deadline_misses=self._late,
+            row_limit_misses=self._row_limited,
             rows_held_by_writes=len(self._write_pins),
         )
 
@@ -667,12 +768,17 @@ class Chain:
         self._to_read.clear()
         plan = self._place([k for k, _t in wanted]) if wanted else None
         placed = set() if plan is None else set(plan.keys)
+        now = self._clock()
         for k, _t in wanted:
             if k not in placed:
-                # No row now: the next lookup queues it again (within its deadline).
+                # No row now: queued again within its deadline; past it, dropped
+                # (nobody may look it up again to drop it).
                 w = self._waiting.get(k)
                 if w is not None and w.read:
-                    self._to_read[k] = w.tier
+                    if now - w.since < self._deadline:
+                        self._to_read[k] = w.tier
+                    else:
+                        del self._waiting[k]
         if plan is None:
             return
         tier_of = dict(wanted)

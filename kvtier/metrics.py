@@ -59,6 +59,7 @@ __all__ = [
     "METRICS",
     "READ_DURATION",
     "RECOVERY_STATES",
+    "ROW_LIMIT_MISSES",
     "TIER_METRICS",
     "WRITE_DURATION",
     "Counted",
@@ -272,7 +273,16 @@ WRITE_DURATION = MetricSpec(
 DEADLINE_MISSES = MetricSpec(
     "kvtier_lookup_deadline_misses_total",
     "counter",
-    "Lookups answered as misses because a lower tier's read outlasted lookup_deadline_s.",
+    "Lookups answered as misses because a lower tier's read, or the request's wait, "
+    "outlasted lookup_deadline_s.",
+    (),
+    fronts=("vllm",),
+)
+ROW_LIMIT_MISSES = MetricSpec(
+    "kvtier_lookup_row_limit_misses_total",
+    "counter",
+    "Lookups answered as misses because the request's prefix before them already needed "
+    "every CPU row (loaded in part, the rest recomputed).",
     (),
     fronts=("vllm",),
 )
@@ -304,6 +314,7 @@ METRICS: tuple[MetricSpec, ...] = (
     READ_DURATION,
     WRITE_DURATION,
     DEADLINE_MISSES,
+    ROW_LIMIT_MISSES,
     EVENTS_PUBLISHED,
     EVENTS_DROPPED,
     LOAD_SHORTFALLS,
@@ -567,7 +578,7 @@ def _prometheus() -> Any:
         import prometheus_client.core  # the metric families of custom collectors
     except ImportError as exc:
         raise ConfigurationError(
-            "kvtier's Prometheus exporter needs prometheus_client: pip install kvtier[metrics]"
+            "kvtier's Prometheus exporter needs prometheus_client: pip install prometheus-client"
         ) from exc
     return prometheus_client
 
@@ -599,7 +610,7 @@ class KVTierCollector:
     Raises
     ------
     ConfigurationError
-        ``prometheus_client`` is not installed (``pip install kvtier[metrics]``).
+        ``prometheus_client`` is not installed (``pip install prometheus-client``).
     """
 
     def __init__(
@@ -682,7 +693,7 @@ def register_engine_metrics(
     Raises
     ------
     ConfigurationError
-        ``prometheus_client`` is not installed (``pip install kvtier[metrics]``).
+        ``prometheus_client`` is not installed (``pip install prometheus-client``).
     ValueError
         ``registry`` already reports these metric names.
     """
@@ -709,7 +720,7 @@ def serve_metrics(
     Raises
     ------
     ConfigurationError
-        ``prometheus_client`` is not installed (``pip install kvtier[metrics]``).
+        ``prometheus_client`` is not installed (``pip install prometheus-client``).
     OSError
         The address cannot be bound.
     """

@@ -99,3 +99,52 @@ class TestVLLMFront(ChainSuite):
             },
         )
         return VLLMFront(KVTierOffloadingSpec(config).get_manager())
+
+
+async def _prefix_pass(front: VLLMFront, names: Sequence[int], req: Any) -> int | None:
+    """One step's lookup of a request's prefix, as vLLM's scheduler makes it
+    (``_maximal_prefix_lookup``: on past RETRY, stop at MISS; None: deferred)."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    hits, deferred = 0, False
+    for n in names:
+        answer = front.m.lookup(front._offload_key(n), req)
+        if answer is LookupResult.HIT:
+            hits += 1
+        elif answer is LookupResult.HIT_PENDING:
+            hits, deferred = hits + 1, True
+        elif answer is LookupResult.RETRY:
+            deferred = True
+        else:
+            break
+    return None if deferred else hits
+
+
+async def test_a_prefix_longer_than_the_cpu_tier_is_served_in_part(tmp_path: Path) -> None:
+    """Issue 41: 23 blocks on file, 4 CPU rows: the request got no answer, ever."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvtier.testing.chain import store_in_steps
+
+    front = await TestVLLMFront().open_front(tmp_path / "kv", 4)
+    assert isinstance(front, VLLMFront)
+    try:
+        names = list(range(23))
+        await store_in_steps(front, names)  # written through; only the last 4 in CPU rows
+        for round_ in range(3):  # three requests sharing the prefix, one after another
+            req = ReqContext(req_id=f"r{round_}")
+            deadline = time.monotonic() + WAIT_S
+            while (hits := await _prefix_pass(front, names, req)) is None:
+                assert time.monotonic() < deadline, "the request never got an answer"
+                front.m.on_schedule_end(None)  # the step ends: the reads it asked for start
+                await asyncio.sleep(0.005)
+            assert hits == 4  # the leading blocks that fit; the rest is recomputed
+            keys = [front._offload_key(n) for n in names[:hits]]
+            spec = front.m.prepare_load(keys, req)
+            got = [bytes(front.m._region.row(int(r))) for r in spec.block_ids]
+            assert got == [payload(n) for n in names[:hits]]
+            front.m.complete_load(keys, req)
+            front.m.on_request_finished(req)
+        assert front.m.statistics()["row_limit_misses"] >= 1
+    finally:
+        await front.aclose()

@@ -57,6 +57,7 @@ from kvtier.metrics import (
     EVENTS_PUBLISHED,
     LOOKUPS,
     READ_DURATION,
+    ROW_LIMIT_MISSES,
     WRITE_DURATION,
     DeltaReporter,
     Samples,
@@ -243,7 +244,8 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._drain()
         k = self._key(key)
         self._changed = True
-        answer = self._chain.lookup(k)
+        # Per request: its wait is bounded and its prefix fits the CPU tier.
+        answer = self._chain.lookup(k, req_context.req_id)
         if answer is Answer.RETRY:
             self._names[k] = key  # announced in the CPU tier once promoted
         return _ANSWERS[answer]
@@ -318,6 +320,9 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._chain.forget_request(req_context.req_id)
 
     def on_schedule_end(self, context: Any) -> None:
         self._drain()
@@ -439,6 +444,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             lookup_hits=chain.tiers["cpu"].lookup_hits,
             store_refusals=chain.store_refusals,
             deadline_misses=chain.deadline_misses,
+            row_limit_misses=chain.row_limit_misses,
             promotions=sum(t.blocks_out for t in lower),
             promotion_failures=sum(t.read_failures for t in lower),
             file_writes=chain.tiers["file"].blocks_in if "file" in chain.tiers else 0,
@@ -479,6 +485,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             {
                 (LOOKUPS.name, ()): chain.lookups,
                 (DEADLINE_MISSES.name, ()): chain.deadline_misses,
+                (ROW_LIMIT_MISSES.name, ()): chain.row_limit_misses,
                 (EVENTS_PUBLISHED.name, ()): self._n["events_published"],
                 (EVENTS_DROPPED.name, ()): self._n["events_dropped"],
             },
