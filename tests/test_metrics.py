@@ -163,7 +163,7 @@ def test_the_exporter_names_its_extra_when_prometheus_client_is_missing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # what an absent package gives
-    with pytest.raises(ConfigurationError, match=re.escape("pip install kvtier[metrics]")):
+    with pytest.raises(ConfigurationError, match=re.escape("pip install prometheus-client")):
         serve_metrics(object(), 0)  # type: ignore[arg-type]
 
 

