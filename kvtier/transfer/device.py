@@ -421,15 +421,29 @@ def _index_problem(arr: np.ndarray, bound: int, unique: bool) -> int:
 
 
 def _as_index(values: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
+    """``values`` as the compiled checks and planners take them: a C-contiguous
+    ``int64`` array; the array itself when it is one (no copy), else a copy.
+
+    Any flat integer sequence or array is accepted: lists, tuples, ranges, numpy
+    arrays of any integer dtype, CPU tensors, strided views (a column of a block
+    table, ``ids[::2]``). Other dtypes (float, bool, strings) are an
+    :class:`InvalidArgumentError` naming the dtype.
+    """
     try:
         arr = np.asarray(values)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RuntimeError) as exc:
         raise InvalidArgumentError(f"{what} must be integers: {exc}") from exc
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise InvalidArgumentError(f"{what} must be a flat sequence of integers")
-    return arr.astype(np.int64, copy=False)
+    if arr.ndim != 1:
+        raise InvalidArgumentError(
+            f"{what} must be a flat sequence of integers, got shape {arr.shape}"
+        )
+    if arr.dtype.kind not in "iu":
+        raise InvalidArgumentError(
+            f"{what} must be a flat sequence of integers, got dtype {arr.dtype}"
+        )
+    return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 # -- planning: pieces contiguous on both sides -----------------------------------------
