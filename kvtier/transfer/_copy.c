@@ -274,18 +274,35 @@ copy_host(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 
 /* -- planning a request, and checking its indices --------------------------------- */
 
-/* A 1-D int64 buffer, or -1 with an error set (released by the caller). */
+/* A C-contiguous int64 buffer, read as flat, or -1 with an error set that names
+   `what` and what it must be (the view is held only on success; the caller
+   releases it). The Python side hands these functions arrays it made contiguous
+   (kvtier.transfer.device._as_index); anything else is refused here with a
+   message, not with the buffer protocol's bare "ndarray is not C-contiguous". */
 static int
 int64_vector(PyObject *obj, Py_buffer *view, const char *what)
 {
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+    if (PyObject_GetBuffer(obj, view, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s must be an int64 array, got %.200s", what,
+                     Py_TYPE(obj)->tp_name);
         return -1;
+    }
     const char *f = view->format ? view->format : "B";
     if (*f == '<' || *f == '=' || *f == '@')
         f++;
     if (view->itemsize != 8 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int64 array, got format '%.20s'", what,
+                     view->format ? view->format : "B");
         PyBuffer_Release(view);
-        PyErr_Format(PyExc_TypeError, "%s must be an int64 array", what);
+        return -1;
+    }
+    if (!PyBuffer_IsContiguous(view, 'C')) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s must be a C-contiguous int64 array, got a strided view "
+                     "(numpy.ascontiguousarray makes one)",
+                     what);
+        PyBuffer_Release(view);
         return -1;
     }
     return 0;
@@ -359,6 +376,10 @@ check_index(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
     return PyLong_FromLong(code);
 }
 
+/* plan_units' bounds: device ids (and num_blocks) below 2^62, bpc below 2^31. */
+#define PLAN_MAX_ID ((int64_t)1 << 62)
+#define PLAN_MAX_BPC ((int64_t)1 << 31)
+
 typedef struct {
     int64_t key, order;
 } run_key;
@@ -383,7 +404,11 @@ run_cmp(const void *a, const void *b)
    in address order keep the prefetchers ahead), and a K/V-first tensor's piece
    is two, K then V (V bpc units further in the row, num_blocks units further on
    the device). Columns: host row, host unit in the row, device unit, units. The
-   same as kvtier.transfer.device._unit_pieces, without its dozen numpy calls. */
+   same as kvtier.transfer.device._unit_pieces, without its dozen numpy calls.
+   Out of contract, a ValueError before anything is written: bpc outside
+   1..2^31, num_blocks outside 0..2^62, an id outside [0, num_blocks), a row
+   reached outside [0, 2^62 / (2 * bpc)): with those, no sum or product of the
+   loop overflows. */
 static PyObject *
 plan_units(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
@@ -398,10 +423,21 @@ plan_units(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     int kv_first = PyObject_IsTrue(args[5]), store = PyObject_IsTrue(args[6]);
     if (PyErr_Occurred() || kv_first < 0 || store < 0)
         return NULL;
-    if (bpc < 1 || skip < 0 || skip >= bpc) {
-        PyErr_Format(PyExc_ValueError, "bpc %lld, skip %lld", bpc, skip);
+    /* Bounds that keep every sum and product below in int64 (see the loop): the
+       callers' values are far inside them (bpc <= 4096, ids and rows below a
+       tensor's and a region's counts). */
+    if (bpc < 1 || bpc > PLAN_MAX_BPC || skip < 0 || skip >= bpc) {
+        PyErr_Format(PyExc_ValueError, "bpc %lld (1..%lld), skip %lld (0..bpc - 1)", bpc,
+                     (long long)PLAN_MAX_BPC, skip);
         return NULL;
     }
+    if (num_blocks < 0 || num_blocks > PLAN_MAX_ID) {
+        PyErr_Format(PyExc_ValueError, "num_blocks %lld outside 0..%lld", num_blocks,
+                     (long long)PLAN_MAX_ID);
+        return NULL;
+    }
+    /* row * (2 * bpc) + sub (a load's sort key) stays below 2^62. */
+    const int64_t max_row = PLAN_MAX_ID / (2 * bpc);
     if (int64_vector(args[0], &rv, "rows") < 0)
         return NULL;
     if (int64_vector(args[1], &iv, "ids") < 0) {
@@ -418,7 +454,8 @@ plan_units(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t nrows = rv.len / 8, n = iv.len / 8, written = 0;
     run_key *keys = NULL;
     int64_t *first = NULL;
-    if (ov.readonly || ov.len / 8 < 8 * n || n + skip > nrows * bpc) {
+    /* (n + skip) / bpc, rounded up, is the rows the ids reach: no product to overflow. */
+    if (ov.readonly || ov.len / 8 < 8 * n || (n + skip + bpc - 1) / bpc > nrows) {
         PyErr_SetString(PyExc_ValueError, "plan_units: out too small, or more ids than rows hold");
         goto done;
     }
@@ -434,6 +471,14 @@ plan_units(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     int64_t prow = 0, psub = 0, pid = 0;
     for (Py_ssize_t j = 0; j < n; j++) {
         int64_t p = j + skip, row = rows[p / bpc], sub = p % bpc, id = ids[j];
+        /* In range, every sum and product below fits: id + 1 and id + num_blocks
+           below 2^63, row * (2 * bpc) + sub below 2^62, sub + bpc below 2^32. */
+        if (id < 0 || id >= num_blocks || row < 0 || row >= max_row) {
+            PyErr_Format(PyExc_ValueError,
+                         "plan_units: id %lld outside [0, %lld) or row %lld outside [0, %lld)",
+                         (long long)id, num_blocks, (long long)row, (long long)max_row);
+            goto done;
+        }
         if (j && row == prow && sub == psub + 1 && id == pid + 1) {
             first[4 * (runs - 1) + 3]++;
         } else {

@@ -366,9 +366,9 @@ def test_plan_units_is_numpys_plan(
     assert native is not None
     per_row = np.repeat(rows, bpc)[skip:]
     subs = np.tile(np.arange(bpc, dtype=np.int64), rows.size)[skip:]
-    want = _unit_pieces(per_row, subs, ids, bpc, 100, kv_first, store)
+    want = _unit_pieces(per_row, subs, ids, bpc, 1000, kv_first, store)
     out = np.full(8 * ids.size + 4, -7, dtype=np.int64)
-    got = native.plan_units(rows, ids, bpc, skip, 100, kv_first, store, out)
+    got = native.plan_units(rows, ids, bpc, skip, 1000, kv_first, store, out)
     assert np.array_equal(out[: 4 * got].reshape(-1, 4), want)
     assert (out[4 * got :] == -7).all()  # nothing written past what it reports
 
@@ -400,3 +400,60 @@ def test_check_index_is_numpys_check(values: list[int], bound: int, unique: bool
     else:
         want = 2 if unique and np.unique(arr).size != arr.size else 0
     assert native.check_index(arr, bound, unique) == want
+
+
+I64_MAX = np.iinfo(np.int64).max
+
+
+@pytest.mark.parametrize(
+    ("rows", "ids", "bpc", "num_blocks", "message"),
+    [
+        pytest.param([0], [I64_MAX], 1, I64_MAX, "num_blocks", id="num-blocks-int64-max"),
+        pytest.param([0], [I64_MAX - 1], 1, 1 << 62, "id 9223372036854775806", id="id-int64-max"),
+        pytest.param([0, 1], [5, 6], 1, 4, "id 5 outside", id="id-beyond-num-blocks"),
+        pytest.param([0], [-1], 1, 10, "id -1 outside", id="id-negative"),
+        pytest.param([0], [0], (1 << 62) + 1, 10, "bpc", id="bpc-near-2-62"),
+        pytest.param([0], [0], 1 << 31 | 1, 10, "bpc", id="bpc-beyond-2-31"),
+        pytest.param([I64_MAX], [0], 1, 10, "row 9223372036854775807", id="row-int64-max"),
+        pytest.param([1 << 62], [0], 2, 10, "row 4611686018427387904", id="row-times-2bpc"),
+        pytest.param([-1], [0], 1, 10, "row -1", id="row-negative"),
+        pytest.param([0, 0], [0, 1], 1 << 62, 10, "bpc", id="nrows-times-bpc"),
+    ],
+)
+@pytest.mark.parametrize("store", [True, False], ids=["store", "load"])
+def test_plan_units_refuses_out_of_contract_values(
+    rows: list[int], ids: list[int], bpc: int, num_blocks: int, message: str, store: bool
+) -> None:
+    # Each of these overflowed an int64 sum or product inside the loop (UBSan);
+    # the loop refuses them itself now, before writing anything.
+    assert native is not None
+    out = np.full(64, -7, dtype=np.int64)
+    r, i = np.array(rows, dtype=np.int64), np.array(ids, dtype=np.int64)
+    with pytest.raises(ValueError, match=message):
+        native.plan_units(r, i, bpc, 0, num_blocks, True, store, out)
+    assert (out == -7).all()
+
+
+def test_plan_units_takes_ids_at_its_bounds() -> None:
+    # The largest values in contract plan as they should (no wrap-around in a key).
+    assert native is not None
+    top = (1 << 62) - 2
+    rows = np.array([((1 << 62) // 8) - 1], dtype=np.int64)
+    out = np.empty(64, dtype=np.int64)
+    got = native.plan_units(rows, np.array([top, top + 1]), 4, 2, 1 << 62, True, False, out)
+    assert got == 2
+    assert out[:8].tolist() == [rows[0], 2, top, 2, rows[0], 6, top + (1 << 62), 2]
+
+
+def test_int64_vector_names_what_it_wants() -> None:
+    # Strided and foreign inputs are refused with a sentence, not the buffer
+    # protocol's bare "ndarray is not C-contiguous" (the Python side copies them).
+    assert native is not None
+    with pytest.raises(ValueError, match="values must be a C-contiguous int64 array"):
+        native.check_index(np.arange(8, dtype=np.int64)[::2], 10, True)
+    with pytest.raises(TypeError, match="values must be an int64 array, got list"):
+        native.check_index([1, 2], 10, True)
+    with pytest.raises(TypeError, match="ids must be an int64 array, got format"):
+        native.plan_units(
+            np.arange(2), np.arange(2, dtype=np.int32), 1, 0, 10, False, True, np.empty(16)
+        )
