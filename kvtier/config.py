@@ -1,9 +1,13 @@
 """Configuration: frozen, validated models loadable from a dict or a TOML file.
 
-Sizes are bytes and accept strings with units (``"8GiB"``, ``"512 MB"``), parsed
-by pydantic's :class:`~pydantic.ByteSize`: whole bytes from 1 to 1 EiB, never a
-bool. Every invalid value raises :class:`~kvtier.errors.ConfigurationError`
-naming the field and the problem.
+Sizes are bytes: an int, or a string with a unit (``"8GiB"``, ``"2M"``,
+``"512 MB"``), read by :func:`parse_bytes`. ``K M G T P E`` and ``KiB MiB GiB
+TiB PiB EiB`` are powers of 1024, ``KB MB GB TB PB EB`` powers of 1000 (GNU
+coreutils' rule: ``dd bs=2M``), any case; a fraction is taken only where it
+makes whole bytes (``"1.5GiB"``, never ``"1.5 B"``); from 1 byte to 1 EiB,
+never a bool. Every invalid value raises
+:class:`~kvtier.errors.ConfigurationError` naming the field and the problem; an
+unknown key names the nearest valid one.
 
 Names follow vLLM's KV offloading where it has one (``cpu_bytes_to_use``,
 ``blocks_per_chunk``, ``eviction_policy``).
@@ -11,9 +15,14 @@ Names follow vLLM's KV offloading where it has one (``cpu_bytes_to_use``,
 
 from __future__ import annotations
 
+import difflib
+import math
 import os
+import re
 import tomllib
+import typing
 from collections.abc import Mapping
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self
 
@@ -48,6 +57,7 @@ __all__ = [
     "QueueDepth",
     "RecoveryMode",
     "WritePolicy",
+    "parse_bytes",
 ]
 
 EvictionPolicyName = Literal["lru", "arc"]
@@ -83,7 +93,33 @@ def _invalid(model: str, problems: list[tuple[str, str]]) -> ConfigurationError:
     return ConfigurationError(f"invalid {model}:\n  {lines}", tuple(problems))
 
 
-def _problems(exc: ValidationError) -> list[tuple[str, str]]:
+def _model_at(model: type[BaseModel], path: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The model whose fields the keys at ``path`` (below ``model``) are, if one."""
+    for part in path:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        kinds = typing.get_args(field.annotation) or (field.annotation,)
+        nested = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]
+        if len(nested) != 1:
+            return None
+        model = nested[0]
+    return model
+
+
+def _unknown_key(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    """What to say of the unknown key at ``loc``: the nearest valid key, or them all."""
+    owner = _model_at(model, loc[:-1])
+    if owner is None:
+        return "unknown key"
+    keys = list(owner.model_fields)
+    near = difflib.get_close_matches(str(loc[-1]), keys, n=1, cutoff=0.6)
+    if near:
+        return f"unknown key, did you mean {near[0]!r}?"
+    return f"unknown key (the keys of {owner.__name__} are {', '.join(keys)})"
+
+
+def _problems(exc: ValidationError, model: type[BaseModel]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for err in exc.errors(include_url=False):
         where = ".".join(str(part) for part in err["loc"])
@@ -93,6 +129,9 @@ def _problems(exc: ValidationError) -> list[tuple[str, str]]:
         if isinstance(inner, ConfigurationError) and inner.problems:
             out.extend((f"{where}.{sub}" if where else sub, msg) for sub, msg in inner.problems)
             continue
+        if err["type"] == "extra_forbidden" and err["loc"]:
+            out.append((where, _unknown_key(model, err["loc"])))
+            continue
         got = err.get("input")
         shown = "" if isinstance(got, Mapping) else f" (got {got!r})"
         msg = err["msg"].removeprefix("Value error, ")
@@ -100,22 +139,82 @@ def _problems(exc: ValidationError) -> list[tuple[str, str]]:
     return out
 
 
+MIN_PEER_POLL_S = 0.001
+"""Shortest ``peer_poll_s`` accepted (1 ms): a poll compares every peer's index,
+so a shorter period (``1e-9``) would be a busy loop of the event loop."""
+
 MAX_BYTES = 1 << 60
 """Largest budget accepted (1 EiB): above any memory or filesystem a machine has,
 and far below the 64-bit sizes that ``mmap``, ``fallocate`` and ``ctypes`` take,
 so a typo cannot overflow a size further down instead of failing here."""
 
 
-def _plain_bytes(value: Any) -> Any:
-    # ByteSize reads -5 as an unparsable string and True as 1 byte; say what is wrong.
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
+_UNITS: dict[str, int] = {"": 1, "b": 1}
+for _power, _prefix in enumerate("kmgtpe", start=1):
+    _UNITS[_prefix] = _UNITS[_prefix + "i"] = _UNITS[_prefix + "ib"] = 1024**_power
+    _UNITS[_prefix + "b"] = 1000**_power
+del _power, _prefix
+
+
+def parse_bytes(value: object) -> int:
+    """A number of bytes from an int or a string with a unit, by one rule.
+
+    ``K M G T P E`` (also ``Ki``...) and ``KiB MiB GiB TiB PiB EiB`` are powers of
+    1024; ``KB MB GB TB PB EB`` are powers of 1000; ``B`` or no unit is bytes;
+    any case, spaces allowed (``"2M"`` and ``"2MiB"`` are 2,097,152, ``"2MB"``
+    2,000,000). This is GNU coreutils' rule (``dd bs=2M``, ``truncate -s 4G``).
+    A fraction is taken where it makes a whole number of bytes (``"1.5GiB"``,
+    ``"0.5K"``) and refused where it does not (``"1.5 B"``, ``"0.1K"``); a float
+    must be whole. No range is checked here but the sign.
+
+    Raises
+    ------
+    ValueError
+        For a bool, a negative or fractional number of bytes, or a string that is
+        not a number with a known unit.
+    """
     if isinstance(value, bool):
         raise ValueError("must be a number of bytes, not a bool")
-    if isinstance(value, int | float) and value < 0:
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("must be a positive number of bytes")
+        return int(value)
+    if isinstance(value, float):
+        if value < 0:
+            raise ValueError("must be a positive number of bytes")
+        if not math.isfinite(value) or not value.is_integer():
+            raise ValueError("must be a whole number of bytes")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"must be a number of bytes or a size string, not {type(value).__name__}")
+    if value.strip().startswith("-"):
         raise ValueError("must be a positive number of bytes")
-    return value
+    match = _SIZE.fullmatch(value)
+    if match is None:
+        raise ValueError(
+            "could not parse a size: a number and an optional unit (4096, 512KiB, 2M, 8GiB, 1.5GB)"
+        )
+    number, unit = match.groups()
+    scale = _UNITS.get(unit.lower())
+    if scale is None:
+        raise ValueError(
+            f"unknown unit {unit!r}: B, K/KiB, M/MiB, G/GiB, T/TiB, P/PiB, E/EiB "
+            "(powers of 1024) or KB, MB, GB, TB, PB, EB (powers of 1000)"
+        )
+    size = Fraction(number) * scale
+    if size.denominator != 1:
+        raise ValueError(f"not a whole number of bytes ({float(size):,.1f} bytes)")
+    return int(size)
 
 
-Bytes = Annotated[ByteSize, BeforeValidator(_plain_bytes), Field(gt=0, le=MAX_BYTES)]
+def _to_bytes(value: Any) -> Any:
+    # Every size through parse_bytes, so ByteSize below only ever sees an int:
+    # its own parser reads "4G" as 4e9 and "1.5 B" as 1 byte.
+    return parse_bytes(value)
+
+
+Bytes = Annotated[ByteSize, BeforeValidator(_to_bytes), Field(gt=0, le=MAX_BYTES)]
 
 
 class _Frozen(BaseModel):
@@ -127,7 +226,7 @@ class _Frozen(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise _invalid(type(self).__name__, _problems(exc)) from exc
+            raise _invalid(type(self).__name__, _problems(exc, type(self))) from exc
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Self:
@@ -180,15 +279,16 @@ class FileTierConfig(_Frozen):
     recently used first, until the namespace being opened has the whole budget
     less what open namespaces hold; ``off``: keep them, and open with what is
     left (a warning names who holds what)."""
-    instances: int = Field(default=1, ge=1, le=256)
+    instances: int = Field(default=1, ge=1, le=256, strict=True)
     """Live instances (processes, engines) that share this root at once: each
     opens its own partition of the namespace and takes at most
     ``bytes_to_use // instances`` of the budget, and every instance reads the
     blocks any other stored (``docs/file-tier.md``, "Sharing a root")."""
-    peer_poll_s: float = Field(default=0.02, gt=0, le=10)
+    peer_poll_s: float = Field(default=0.02, ge=MIN_PEER_POLL_S, le=10, strict=True)
     """How often the blocks other instances sharing the root stored (or
     dropped) are picked up: a block is found by the other instances' lookups
-    within about this many seconds of its write's completion."""
+    within about this many seconds of its write's completion. From 0.001
+    (below, the event loop would do little else) to 10 seconds."""
     recovery: RecoveryMode = "foreground"
     """How an existing slot file is read back at open. ``foreground``: open returns
     once every block is known (about 1-2 s per 100 000 blocks here);
@@ -198,9 +298,24 @@ class FileTierConfig(_Frozen):
     @field_validator("root", mode="before")
     @classmethod
     def _root(cls, value: object) -> object:
+        if not isinstance(value, str | os.PathLike):
+            return value
+        text = os.fspath(value)
+        if not isinstance(text, str):
+            return value
         # Path("") is "." : an empty root would silently become the working directory.
-        if isinstance(value, str | os.PathLike) and not os.fspath(value).strip():
+        if not text.strip():
             raise ValueError("must name a directory, got an empty path")
+        # "~/cache" is the home directory's, as in a shell; left as it is, it
+        # would create a directory named "~" in the working directory.
+        if text.startswith("~"):
+            expanded = os.path.expanduser(text)
+            if expanded.startswith("~"):
+                raise ValueError(
+                    f"cannot expand {text!r} (no such user, or HOME unset): "
+                    "write ./~... for a directory named ~"
+                )
+            return expanded
         return value
 
     @field_validator("root")
@@ -379,7 +494,7 @@ class KVTierConfig(_Frozen):
     cpu_bytes_to_use: Bytes
     """Budget of the CPU region in bytes, instance-wide (all workers together);
     never exceeded (accepts ``"8GiB"``)."""
-    blocks_per_chunk: int = Field(default=1, ge=1, le=4096)
+    blocks_per_chunk: int = Field(default=1, ge=1, le=4096, strict=True)
     """Device blocks per offloaded block (one CPU row, one file)."""
     eviction_policy: EvictionPolicyName = "lru"
     """Which blocks leave the CPU region first when it is full."""
@@ -392,7 +507,7 @@ class KVTierConfig(_Frozen):
     shared_region_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     """Name of a CPU region in /dev/shm shared by several worker processes;
     ``None`` maps a private anonymous region."""
-    world_size: int = Field(default=1, ge=1, le=1024)
+    world_size: int = Field(default=1, ge=1, le=1024, strict=True)
     """Worker processes sharing each row (tensor-parallel size)."""
 
     @model_validator(mode="after")

@@ -171,10 +171,12 @@ def _mib(n: float) -> str:
 
 def _size(text: str) -> int:
     """A byte size from the command line: ``2MiB``, ``256KiB``, ``4096``."""
-    from pydantic import ByteSize, TypeAdapter, ValidationError
+    from pydantic import TypeAdapter, ValidationError
+
+    from kvtier.config import Bytes  # the configuration's rule: 2M is 2 MiB
 
     try:
-        return int(TypeAdapter(ByteSize).validate_python(text))
+        return int(TypeAdapter(Bytes).validate_python(text))
     except ValidationError:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (try 2MiB)") from None
 
