@@ -11,6 +11,7 @@ STAMP  := $(VENV)/.installed
 # would pull a multi-GB CUDA build. With nvidia-smi present, the library's own
 # range (pyproject.toml) lets pip pick the platform's CUDA build.
 $(STAMP): pyproject.toml setup.py
+	@echo "set-up: creating $(VENV), then installing torch and kvtier into it (first run: minutes)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
@@ -22,6 +23,7 @@ $(STAMP): pyproject.toml setup.py
 # them in place after an edit of their C sources.
 NATIVE := $(VENV)/.native
 $(NATIVE): $(STAMP) kvtier/manager/_native.c kvtier/transfer/_address.c kvtier/transfer/_copy.c kvtier/transfer/_gather.c kvtier/tiers/file/_blocks.c
+	@echo "set-up: compiling kvtier's C extensions (setup.py build_ext)"
 	$(PY) setup.py --quiet build_ext --inplace
 	touch $(NATIVE)
 

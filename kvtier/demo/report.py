@@ -20,7 +20,16 @@ if TYPE_CHECKING:
 
     from kvtier.demo.serving import DemoResult, RequestRecord, Source
 
-__all__ = ["SourceFigures", "TierFigures", "read_statistics", "render", "source_figures"]
+__all__ = [
+    "TTFT_CAPTION",
+    "TTFT_COLUMNS",
+    "SourceFigures",
+    "TierFigures",
+    "explanations",
+    "read_statistics",
+    "render",
+    "source_figures",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +171,39 @@ def _groups(result: DemoResult) -> list[SourceFigures]:
     return out
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.1f} MiB"
+def explanations(groups: Sequence[SourceFigures]) -> list[str]:
+    """A line for each figure of ``groups`` that seems to contradict the others.
+
+    A kvtier / floor below 1x (kvtier faster than if loading cost nothing), a
+    speed-up below 1x, and a speed-up (a median of per-request ratios) on the
+    other side of 1x from the ratio of the medians shown beside it.
+    """
+    out = []
+    for g in groups:
+        if g.label == "nothing loaded":
+            continue  # no load, no floor: its speed-up is the noise (the caption says so)
+        if not math.isnan(g.over_floor) and g.over_floor < 1:
+            out.append(
+                f"{g.label}: kvtier / floor {g.over_floor:.2f}x, below 1x: loading cost less than "
+                "the difference between two timings of the same prefill (the floor is timed "
+                "apart, after the recompute, on the recompute's cache), so it is within the "
+                "measurement's noise here"
+            )
+        of_medians = _ratio(g.recompute_median, g.ttft_median)
+        if g.speedup < 1:
+            out.append(
+                f"{g.label}: speed-up {g.speedup:.2f}x, below 1x: for most of these requests, "
+                "loading the prefix and computing the rest took longer than computing the "
+                "whole prompt (a short prompt on a small model computes in little more than "
+                "the floor of one forward pass, and the load comes on top)"
+            )
+        if not math.isnan(of_medians) and (of_medians < 1) != (g.speedup < 1):
+            out.append(
+                f"{g.label}: speed-up {g.speedup:.1f}x is the median of each request's recompute "
+                f"over its kvtier time; the medians shown give {of_medians:.2f}x, as the two "
+                "medians need not come from the same request"
+            )
+    return out
 
 
 def _ms(s: float) -> str:
@@ -178,91 +218,113 @@ def _times(num: float, den: float) -> str:
     return "-" if math.isnan(num) or math.isnan(den) or not den else f"{num / den:,.0f}x"
 
 
-def render(result: DemoResult) -> list[RenderableType]:
-    """The report: the tiers, time to first token by source, per token, the verdict."""
-    from rich.table import Table
+TTFT_CAPTION = (
+    "kvtier: lookup + load + prefill of the rest; floor: the model's own prefill of the rest "
+    "with the prefix already in place (kvtier's time if loading cost nothing); recompute: "
+    "prefill of the whole prompt; all on the same model thread between the other requests, "
+    "without queueing for the model. The two ratios are medians of each request's own ratio "
+    "(kvtier over its floor; its recompute over kvtier), not ratios of the medians beside "
+    "them, which they need not match. kvtier / floor below 1x: within the noise, as the floor "
+    "is a second timing of the same prefill, taken later on the recompute's cache. Nothing "
+    "loaded: the same work both ways, so its speed-up shows the noise of the measurement."
+)
+"""The caption of the time-to-first-token table: what each column is."""
+
+TTFT_COLUMNS = (
+    "prefix mostly from",
+    "requests",
+    "prompt tokens, median",
+    "loaded tokens, median",
+    "kvtier median / p95",
+    "floor median",
+    "kvtier / floor, median ratio",
+    "recompute median / p95",
+    "speed-up, median ratio",
+)
+"""The columns of the time-to-first-token table."""
+
+
+def render(result: DemoResult, width: int | None = None) -> list[RenderableType]:
+    """The report: the tiers, time to first token by source, per token, the verdict.
+
+    With ``width``, a table wider than ``width`` columns is printed as a block
+    of ``name: value`` lines per row instead, so that no header or cell is cut.
+    """
     from rich.text import Text
 
+    from kvtier.cli._text import fit_table, human_bytes
+
+    fit = 10**6 if width is None else width
     st, sizes, records = result.tiers, result.sizes, result.records
     block_tokens = result.settings.block_tokens * result.settings.blocks_per_chunk
-    tiers = Table(title=f"Tiers (blocks of {block_tokens} tokens, {_mib(sizes.block_bytes)} each)")
-    for col in ("tier", "capacity", "requests hit", "blocks hit", "evicted", "resident at end"):
-        tiers.add_column(col, justify="left" if col == "tier" else "right")
-    tiers.add_row(
-        "device (KV tensors)",
-        f"{sizes.device_blocks * result.settings.block_tokens:,} tokens",
-        "-",
-        "-",
-        "-",
-        "-",
-    )
-    tiers.add_row(
-        "CPU tier",
-        f"{st.cpu_capacity} blocks, {_mib(sizes.cpu_bytes)}",
-        str(sum(r.cpu_blocks > 0 for r in records)),
-        str(st.cpu_hits),
-        str(st.cpu_evictions),
-        "-",
-    )
-    tiers.add_row(
-        "file tier",
-        _mib(sizes.file_bytes),
-        str(sum(r.file_blocks > 0 for r in records)),
-        f"{st.file_hits} ({st.promotions} promoted)",
-        str(st.file_evictions),
-        str(st.file_blocks),
+    tier_rows = [
+        [
+            "device (KV tensors)",
+            f"{sizes.device_blocks * result.settings.block_tokens:,} tokens",
+            "-",
+            "-",
+            "-",
+            "-",
+        ],
+        [
+            "CPU tier",
+            f"{st.cpu_capacity} blocks, {human_bytes(sizes.cpu_bytes)}",
+            str(sum(r.cpu_blocks > 0 for r in records)),
+            str(st.cpu_hits),
+            str(st.cpu_evictions),
+            "-",
+        ],
+        [
+            "file tier",
+            human_bytes(sizes.file_bytes),
+            str(sum(r.file_blocks > 0 for r in records)),
+            f"{st.file_hits} ({st.promotions} promoted)",
+            str(st.file_evictions),
+            str(st.file_blocks),
+        ],
+    ]
+    tiers = fit_table(
+        f"Tiers (blocks of {block_tokens} tokens, {human_bytes(sizes.block_bytes)} each)",
+        ("tier", "capacity", "requests hit", "blocks hit", "evicted", "resident at end"),
+        tier_rows,
+        fit,
+        left=("tier",),
+        name_heading=False,
     )
 
     groups = _groups(result)
-    ttft = Table(
-        title="Time to first token, ms: kvtier against a full recompute of the same prompts",
-        caption="kvtier: lookup + load + prefill of the rest; floor: the model's own prefill of "
-        "the rest with the prefix already in place (kvtier's time if loading cost nothing); "
-        "recompute: prefill of the whole prompt; all on the same model thread between the other "
-        "requests, without queueing for the model. Nothing loaded: the same work both ways, so "
-        "its speed-up shows the noise of the measurement.",
-    )
-    for col in (
-        "prefix mostly from",
-        "requests",
-        "prompt tokens",
-        "loaded tokens",
-        "kvtier median / p95",
-        "floor median",
-        "kvtier / floor",
-        "recompute median / p95",
-        "speed-up",
-    ):
-        ttft.add_column(col, justify="left" if col == "prefix mostly from" else "right")
+    ttft_rows = []
     for g in groups:
         label = g.label
         if g.label == "CPU tier":
             label += f" ({g.cpu_share:.0%} of hits)"
         elif g.label == "file tier":
             label += f" ({1 - g.cpu_share:.0%} of hits)"
-        ttft.add_row(
-            label,
-            str(g.requests),
-            f"{g.prompt_tokens:,.0f}",
-            f"{g.loaded_tokens:,.0f}",
-            f"{_ms(g.ttft_median)} / {_ms(g.ttft_p95)}",
-            "-" if math.isnan(g.floor_median) else _ms(g.floor_median),
-            "-" if math.isnan(g.over_floor) else f"{g.over_floor:,.2f}x",
-            f"{_ms(g.recompute_median)} / {_ms(g.recompute_p95)}",
-            f"{g.speedup:,.1f}x",
+        ttft_rows.append(
+            [
+                label,
+                str(g.requests),
+                f"{g.prompt_tokens:,.0f}",
+                f"{g.loaded_tokens:,.0f}",
+                f"{_ms(g.ttft_median)} / {_ms(g.ttft_p95)}",
+                "-" if math.isnan(g.floor_median) else _ms(g.floor_median),
+                "-" if math.isnan(g.over_floor) else f"{g.over_floor:,.2f}x",
+                f"{_ms(g.recompute_median)} / {_ms(g.recompute_p95)}",
+                f"{g.speedup:,.1f}x",
+            ]
         )
-
-    per_token = Table(
-        title="Per token, µs",
-        caption="load: lookup and load over the tokens loaded; prefill: over the tokens computed "
-        "(a forward pass has a floor, so short prefills cost more per token)",
+    ttft = fit_table(
+        "Time to first token, ms: kvtier against a full recompute of the same prompts",
+        TTFT_COLUMNS,
+        ttft_rows,
+        fit,
+        left=("prefix mostly from",),
+        caption=TTFT_CAPTION,
+        name_heading=False,
     )
-    for col in ("", "load", "prefill with kvtier", "prefill, full recompute", "recompute / load"):
-        per_token.add_column(col, justify="left" if not col else "right")
-    for g in groups:
-        if g.label == "all requests":
-            continue
-        per_token.add_row(
+
+    per_token_rows = [
+        [
             g.label,
             _us(g.load_per_token),
             _us(g.prefill_per_token),
@@ -270,7 +332,20 @@ def render(result: DemoResult) -> list[RenderableType]:
             "-"
             if math.isnan(g.load_per_token)
             else f"{g.recompute_per_token / g.load_per_token:,.0f}x",
-        )
+        ]
+        for g in groups
+        if g.label != "all requests"
+    ]
+    per_token = fit_table(
+        "Per token, µs",
+        ("", "load", "prefill with kvtier", "prefill, full recompute", "recompute / load"),
+        per_token_rows,
+        fit,
+        left=("",),
+        caption="load: lookup and load over the tokens loaded; prefill: over the tokens computed "
+        "(a forward pass has a floor, so short prefills cost more per token)",
+        name_heading=False,
+    )
 
     n = len(records)
     verdicts = [r.verdict for r in records if r.verdict is not None]
@@ -309,6 +384,7 @@ def render(result: DemoResult) -> list[RenderableType]:
                     style="yellow",
                 )
             )
+    lines += [Text(note, style="yellow") for note in explanations(groups)]
     if st.load_shortfalls or st.dropped:
         lines.append(
             Text(

@@ -323,6 +323,7 @@ async def run_demo(
     settings: DemoSettings,
     progress: Progress | None = None,
     opened: Callable[[TierSizes], None] | None = None,
+    stage: Callable[[str], None] | None = None,
 ) -> DemoResult:
     """Serve the workload over kvtier, then check every request against a recompute.
 
@@ -334,6 +335,10 @@ async def run_demo(
         Called as requests are served and verified.
     opened
         Called with the tiers' sizes once the engine is open, before serving.
+    stage
+        Called with a line as each step of the set-up begins (building the
+        model, warming it up, opening the engine): they take a while on a slow
+        machine before the first request is served.
 
     Returns
     -------
@@ -345,7 +350,13 @@ async def run_demo(
     KVTierError
         When the engine cannot open (for instance, no room for the file tier).
     """
+    say = stage or (lambda _line: None)
     w = settings.workload
+    c = settings.model
+    say(
+        f"set-up: building the model ({c.layers} layers, hidden size {c.hidden}, "
+        f"random weights from seed {settings.model_seed})"
+    )
     model = DemoModel(settings.model, seed=settings.model_seed)
     conversations = build_conversations(w, settings.model.vocab)
     order = schedule(w)
@@ -353,7 +364,6 @@ async def run_demo(
     bpc = settings.blocks_per_chunk
     device_blocks = settings.concurrency * request_blocks
     kv = model.new_cache(device_blocks, settings.block_tokens)
-    c = settings.model
     layout = KVLayout.from_tensors(
         kv,
         model_id=f"kvtier-demo/{c.layers}x{c.hidden}-gqa{c.heads}:{c.kv_heads}@seed{settings.model_seed}",
@@ -375,6 +385,7 @@ async def run_demo(
         # A server warms up before it takes requests: the first forward passes
         # of a process pay for allocations and kernel selection.
         warm = [t % c.vocab for t in range(3 * TILE)]
+        say("set-up: warming the model up (its first forward passes)")
         await worker.run(
             functools.partial(model.generate, scratch, range(request_blocks), warm, 0, 2)
         )
@@ -384,6 +395,10 @@ async def run_demo(
                 cpu_bytes_to_use=cpu_rows * row_bytes,
                 blocks_per_chunk=bpc,
                 file_tier=FileTierConfig(root=root, bytes_to_use=file_bytes),
+            )
+            say(
+                f"set-up: opening the engine (CPU tier of {cpu_rows} blocks, file tier "
+                f"preallocated in {root})"
             )
             started = time.perf_counter()
             async with (
