@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Literal, Self, cast
 
 import numpy as np
 
+from kvtier._native_status import warn_if_missing
 from kvtier.chain import (
     Chain,
     LowerTier,
@@ -601,8 +602,10 @@ class Engine:
         Notes
         -----
         Everything opened before a failure is closed again before the error
-        propagates.
+        propagates. A compiled part of kvtier that is not built is warned of
+        once per process (:class:`~kvtier._native_status.NativeExtensionWarning`).
         """
+        warn_if_missing()  # slower fallbacks say so at first use, not silently
         _check_chunking(config, layout)
         if workers is not None:
             return await cls._open_split(

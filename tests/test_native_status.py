@@ -100,3 +100,28 @@ def test_bench_warns_at_start_and_says_what_ran(tmp_path: Path) -> None:
     assert "Python struct packing and the xxhash module" in warning
     assert "compiled parts: 4 of 5 in use" in done.stdout
     assert f"  {module}: MISSING;" in done.stdout
+
+
+def test_opening_an_engine_warns_when_a_compiled_part_is_missing() -> None:
+    # A library user never runs the CLI: Engine.open is their first use.
+    code = """
+import asyncio, warnings
+import torch
+from kvtier import Engine, KVLayout, KVTierConfig
+from kvtier._native_status import NativeExtensionWarning
+
+async def main():
+    kv = [torch.zeros(4, 2, 16, 64)]
+    layout = KVLayout.from_tensors(kv, model_id="warn", block_tokens=16)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        engine = await Engine.open(KVTierConfig(cpu_bytes_to_use="1MiB"), layout, kv)
+        await engine.aclose()
+    assert NativeExtensionWarning in [w.category for w in seen], seen
+
+asyncio.run(main())
+print("warned")
+"""
+    done = _blocked("kvtier.transfer._gather", code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "warned"

@@ -74,6 +74,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 )
 from vllm.v1.kv_offload.config import OffloadingConfig  # type: ignore[import-not-found]
 
+from kvtier._native_status import warn_if_missing
 from kvtier.integrations.vllm._common import (
     RowsSpec,
     _region_identity,
@@ -125,6 +126,7 @@ class KVTierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         follow_vllm_logging()
+        warn_if_missing(python_warning=False)  # in vLLM's log: slower fallbacks say so
         self.settings: VLLMSettings = parse_extra_config(
             dict(config.extra_config),
             blocks_per_chunk=config.cache.blocks_per_chunk,
