@@ -45,7 +45,7 @@ typecheck: $(NATIVE)
 soak: $(NATIVE)
 	$(PY) -m pytest -q -m slow
 
-# The reliability suite with the soak, its figures printed as docs/reliability.md's table.
+# The reliability suite with the soak, its figures printed as the table of docs/lab/reliability-runs.md.
 reliability: $(NATIVE)
 	rm -rf .reports/reliability
 	KVTIER_REPORT_DIR=.reports/reliability $(PY) -m pytest -q -m '' tests/reliability

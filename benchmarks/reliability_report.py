@@ -1,4 +1,4 @@
-"""Print the reliability suite's figures as the Markdown table of docs/reliability.md.
+"""Print the reliability suite's figures as the Markdown table of docs/lab/reliability-runs.md.
 
 Run ``make reliability`` (which runs the suite, soak included, with
 ``KVTIER_REPORT_DIR=.reports/reliability``, then this script), or by hand::

@@ -1,4 +1,4 @@
-"""Shared fixture: figures each reliability test measured, for docs/reliability.md.
+"""Shared fixture: figures each reliability test measured, for docs/lab/reliability-runs.md.
 
 Set ``KVTIER_REPORT_DIR`` to collect them: every test writes
 ``<dir>/<test name>.json``; ``make reliability-report`` prints the table.
