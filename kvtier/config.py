@@ -396,16 +396,26 @@ class ClusterTierConfig(_Frozen):
     """Bound on one pipeline (send and replies) and on socket reads: a pipeline
     that takes longer fails its blocks with ``ETIMEDOUT``."""
     connect_timeout_s: float = Field(default=1.0, gt=0, le=600)
-    """Bound on opening one connection."""
+    """Bound on opening one connection, and on each probe of a node (connect,
+    TLS and AUTH handshakes, ``PING``): at open every node is probed at once,
+    so a node that does not answer (down, or hung: connections accepted,
+    nothing answered) delays the open by about this much."""
+    require_at_open: bool = False
+    """Fail the open (``TierIOError``, ``ETIMEDOUT`` or ``ECONNREFUSED``) unless
+    every node answers. By default the tier opens anyway: a node that does not
+    answer is down (a WARNING names it; its blocks are misses; a background
+    task reconnects), and with no node answering every block is a miss until
+    one does. Credentials, TLS or mode refused fail the open either way."""
     max_inflight_bytes: Bytes = Field(default=ByteSize(8 << 20))
     """Value bytes in one pipeline on one connection (at least one block goes):
     pipelines above about 8 MiB per connection slowed SET by 2-4x here."""
     pipelines_per_node: int = Field(default=2, ge=1, le=64)
     """Pipelines in flight at once to one node, each on its own connection."""
     backoff_initial_s: float = Field(default=0.05, gt=0, le=60)
-    """First wait before talking again to a node that failed."""
+    """First wait before probing again a node that is down (its blocks fail at
+    once meanwhile, without I/O)."""
     backoff_max_s: float = Field(default=2.0, gt=0, le=600)
-    """Longest wait between tries (the wait doubles per failure up to it)."""
+    """Longest wait between probes (the wait doubles per failed probe up to it)."""
     direct_reads: bool = True
     """Loads read each GET reply's payload straight into its CPU row (a
     connection of the tier's own per node, :mod:`kvtier.tiers.cluster._reader`)

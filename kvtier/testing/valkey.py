@@ -8,7 +8,7 @@ temporary directory, joins them into a cluster when asked, and stops every
 server by its pid, with bounded waits, whatever happened::
 
     with ValkeyCluster.start(nodes=3) as cluster:
-        ...  # cluster.ports, cluster.kill(0), cluster.cli(0, "info")
+        ...  # cluster.ports, cluster.kill(0), cluster.freeze(1), cluster.cli(0, "info")
 
 Nothing is persisted (``--save ''``, no AOF), and a cluster is started with
 ``cluster-require-full-coverage no`` and ``cluster-allow-reads-when-down yes``:
@@ -93,6 +93,8 @@ class ValkeyCluster:
     """The server processes; None once killed or stopped."""
     password: str | None = field(default=None, repr=False)
     """The default user's password (``requirepass``), which :meth:`cli` sends."""
+    frozen: set[int] = field(default_factory=set)
+    """Servers stopped by :meth:`freeze` and not yet thawed."""
 
     @classmethod
     def start(
@@ -280,9 +282,28 @@ class ValkeyCluster:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(_STOP_WAIT_S)
         self.procs[i] = None
+        self.frozen.discard(i)
+
+    def freeze(self, i: int) -> None:
+        """SIGSTOP server ``i``: a hung node (the kernel still accepts connections on
+        its port; nothing answers). :meth:`thaw`, :meth:`kill` and :meth:`stop` end it."""
+        proc = self.procs[i]
+        if proc is None or proc.poll() is not None:
+            raise RuntimeError(f"valkey-server {i} is not running")
+        self.frozen.add(i)
+        proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self, i: int | None = None) -> None:
+        """SIGCONT server ``i`` (every frozen one when None)."""
+        for j in sorted(self.frozen) if i is None else [i]:
+            proc = self.procs[j]
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+            self.frozen.discard(j)
 
     def stop(self) -> None:
         """Stop every server by its pid (SIGTERM, then SIGKILL after a bounded wait)."""
+        self.thaw()  # a stopped server would not act on SIGTERM
         for proc in self.procs:
             if proc is not None and proc.poll() is None:
                 proc.terminate()

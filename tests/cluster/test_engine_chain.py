@@ -258,10 +258,29 @@ async def test_vanished_and_damaged_blocks_are_misses(
 
 
 async def test_no_node_answers_at_open(tmp_path: Path) -> None:
-    cluster = ClusterTierConfig(nodes=["127.0.0.1:1"], connect_timeout_s=0.2, timeout_s=0.2)
+    cluster = ClusterTierConfig(
+        nodes=["127.0.0.1:1"], connect_timeout_s=0.2, timeout_s=0.2, require_at_open=True
+    )
     with pytest.raises(TierIOError):
         async with engine_on(cluster, file_root=tmp_path / "t"):
             pass  # pragma: no cover
+
+
+async def test_the_engine_serves_while_no_node_answers(tmp_path: Path) -> None:
+    """The cache is optional: with no node answering the engine opens, and its
+    cluster tier misses every block (no error, no wait) while the others serve."""
+    cluster = ClusterTierConfig(nodes=["127.0.0.1:1"], connect_timeout_s=0.2, timeout_s=0.2)
+    async with engine_on(cluster, cpu_rows=4, file_root=tmp_path / "t") as (engine, kv):
+        keys = keys_for(engine, 12, salt=7)
+        await store_keys(engine, kv, keys)
+        assert await load_checked(engine, kv, keys) == 12  # from the CPU and file tiers
+        st = engine.statistics()
+        assert st.cluster is not None
+        assert st.cluster.nodes_down == 1
+        assert st.cluster.outages == 1
+        assert st.cluster.stores == 0
+        assert st.cluster.round_trips == 0  # every block refused at once, no I/O
+        assert st.cluster.refused_in_backoff > 0
 
 
 _PEER = textwrap.dedent(

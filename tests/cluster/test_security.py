@@ -225,12 +225,23 @@ async def test_tls_refusals_are_typed_errors_at_open(
     ca = other if case == "unknown-ca" else cert
     async with tls_proxy(tls_server.ports[0], cert, key) as port:
         target = tls_server.ports[0] if case == "plain-server" else port
-        config = tls_config(target, tls_ca_file=ca, connect_timeout_s=0.5, timeout_s=0.5)
+        # A plain server never answers the TLS handshake: a node down, as a hung
+        # one, which fails the open only with require_at_open (else it is down).
+        plain = case == "plain-server"
+        config = tls_config(
+            target, tls_ca_file=ca, connect_timeout_s=0.5, timeout_s=0.5, require_at_open=plain
+        )
         with pytest.raises(TierIOError) as info:
             await ClusterTier.open(config, NAMESPACE, block_bytes=BLOCK)
         assert SECRET not in shown(info.value)
-        want = errno.ETIMEDOUT if case == "plain-server" else errno.EPROTO
+        want = errno.ETIMEDOUT if plain else errno.EPROTO
         assert info.value.errno == want, info.value
+        if plain:
+            down = await ClusterTier.open(
+                config.model_copy(update={"require_at_open": False}), NAMESPACE, block_bytes=BLOCK
+            )
+            assert down.statistics().nodes_down == 1
+            await down.aclose()
         if case == "wrong-host":  # the same certificate without the hostname check opens
             ok = await ClusterTier.open(
                 tls_config(port, tls_ca_file=cert, tls_check_hostname=False),

@@ -215,28 +215,35 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             Record KV cache events for :meth:`take_events` (vLLM's
             ``enable_kv_cache_events``).
         """
-        loop = _LoopThread("kvtier-vllm-scheduler")
+        loop: _LoopThread | None = None
         tiers: list[Tier] = []
         try:
+            loop = _LoopThread("kvtier-vllm-scheduler")
             for _name, spec in settings.config.chain:
                 tiers.append(loop.run(spec.open_below(layout, region, enable_events=enable_events)))
+            log.info(
+                "kvtier: CPU tier of %d rows of %d bytes (cpu_bytes_to_use=%d)",
+                region.rows,
+                region.row_stride,
+                int(settings.config.cpu_bytes_to_use),
+            )
+            records = loop.run(_statistics(tiers))
+            for (name, _spec), record in zip(settings.config.chain, records, strict=True):
+                log.info("kvtier: %s tier: %s", name, _describe(record))
+            return cls(settings, layout, region, loop, tiers, enable_events=enable_events)
         except BaseException:
-            for tier in reversed(tiers):
-                with contextlib.suppress(Exception):
-                    loop.run(tier.aclose(), timeout=60.0)
-            loop.stop()
-            region.close()
+            # Whatever failed (a tier's open, a record, the constructor), release
+            # what was opened: the tiers, the loop thread, and the region (its
+            # /dev/shm file goes when no other process holds it).
+            try:
+                if loop is not None:
+                    for tier in reversed(tiers):
+                        with contextlib.suppress(Exception):
+                            loop.run(tier.aclose(), timeout=60.0)
+                    loop.stop()
+            finally:
+                region.close()
             raise
-        log.info(
-            "kvtier: CPU tier of %d rows of %d bytes (cpu_bytes_to_use=%d)",
-            region.rows,
-            region.row_stride,
-            int(settings.config.cpu_bytes_to_use),
-        )
-        records = loop.run(_statistics(tiers))
-        for (name, _spec), record in zip(settings.config.chain, records, strict=True):
-            log.info("kvtier: %s tier: %s", name, _describe(record))
-        return cls(settings, layout, region, loop, tiers, enable_events=enable_events)
 
     # -- vLLM's OffloadingManager -------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 * ``_tier``: :class:`ClusterTier`, the tier itself (the
   :class:`~kvtier.tiers.base.Tier` contract, and :class:`~kvtier.tiers.base.Refreshable`);
-* ``_client``: pipelines per node, redirections, back-off (over redis-py);
+* ``_client``: pipelines per node, redirections, outages of nodes (over redis-py);
 * ``_reader``: a connection per node that reads GET replies straight into CPU rows.
 
 Every value carries :mod:`kvtier.tiers.block_format`'s header, as the file tier's

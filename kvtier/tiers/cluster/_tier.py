@@ -24,8 +24,12 @@ load time, which is a miss for it (counted in ``vanished``), never an error.
 
 Faults (connection loss, a node down, MOVED/ASK left over, timeouts) fail the
 blocks of the pipeline they hit with a typed, counted
-:class:`~kvtier.errors.TierIOError`; the node is then left alone for a
-backoff before the next try (see :mod:`kvtier.tiers.cluster._client`).
+:class:`~kvtier.errors.TierIOError`. A node that does not answer, at open or
+later, is *down*: one WARNING names it, its blocks fail at once (misses)
+while a background task probes it with backoff, and the tier serves the
+other nodes meanwhile (see :mod:`kvtier.tiers.cluster._client`). The open
+waits on no node longer than ``connect_timeout_s``, and opens with nodes
+down, or none answering, unless ``require_at_open``.
 """
 
 from __future__ import annotations
@@ -64,8 +68,12 @@ if TYPE_CHECKING:
 __all__ = ["ClusterTier", "ClusterTierConfig", "ClusterTierStatistics"]
 
 
-async def open_cluster_client(config: ClusterTierConfig) -> ClusterClient:
+async def open_cluster_client(config: ClusterTierConfig, *, strict: bool = True) -> ClusterClient:
     """Connect to the cluster of ``config`` (for the tier and ``kvtier inspect``).
+
+    With ``strict`` (``kvtier inspect``; the tier with ``require_at_open``)
+    every node must answer; otherwise the nodes that do not are down (see
+    :meth:`ClusterTier.open`).
 
     Raises
     ------
@@ -80,7 +88,7 @@ async def open_cluster_client(config: ClusterTierConfig) -> ClusterClient:
         raise ConfigurationError(
             "the cluster tier needs the redis client: pip install redis"
         ) from exc
-    return await open_client(config)
+    return await open_client(config, strict=strict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,16 +143,33 @@ class ClusterTierStatistics:
     cluster_down: int
     """Commands refused with CLUSTERDOWN, or keys of a slot no node serves."""
     refused_in_backoff: int
-    """Blocks failed at once because their node was waiting out its backoff."""
+    """Blocks failed at once, without I/O, because their node was down."""
     reconnects: int
-    """Tries to talk again to a node after a failure."""
+    """Tries to reach a node again during its outage (background probes)."""
+    outages: int
+    """Node outages begun: a node found not answering, at open or by a fault of
+    a pipeline (one WARNING each, naming the node); when no node answered at
+    open, one for the whole cluster."""
+    recoveries: int
+    """Outages ended: the node answered again, or serves no slot any more."""
+    nodes_down: int
+    """Nodes in an outage now: their blocks are misses, without I/O."""
 
     def metric_figures(self) -> dict[str, int | float | str]:
-        """The cluster tier's own figures of :class:`kvtier.metrics.TierMetrics`."""
-        return {
+        """The cluster tier's own figures of :class:`kvtier.metrics.TierMetrics`.
+
+        The outages as ``node_outages_total`` and ``nodes_down``, once
+        :class:`~kvtier.metrics.TierMetrics` has those fields.
+        """
+        from kvtier.metrics import TierMetrics
+
+        figures: dict[str, int | float | str] = {
             "integrity_failures_total": self.verification_failures,
             "vanished_blocks_total": self.vanished,
+            "node_outages_total": self.outages,
+            "nodes_down": self.nodes_down,
         }
+        return {k: v for k, v in figures.items() if k in TierMetrics.__dataclass_fields__}
 
 
 @dataclass(slots=True)
@@ -228,7 +253,9 @@ class ClusterTier(Tier):
         -------
         ClusterTier
             Connected; its presence set is empty (it learns what peers stored
-            through :meth:`refresh` and loads).
+            through :meth:`refresh` and loads). Nodes that did not answer are
+            down: their blocks are misses until a background probe finds them
+            answering (``outages`` and ``nodes_down`` in :meth:`statistics`).
 
         Raises
         ------
@@ -237,16 +264,30 @@ class ClusterTier(Tier):
         ConfigurationError
             When the ``redis`` client is not installed (``kvtier[cluster]``).
         TierIOError
-            When no node answers, authentication fails, or the servers are
-            not in the configured mode (the cause chained; no secret in the message).
+            When authentication fails (``EACCES``), the TLS handshake fails or
+            the servers are not in the configured mode (``EPROTO``), or, with
+            ``require_at_open``, a node does not answer (``ETIMEDOUT``,
+            ``ECONNREFUSED``); the cause chained, no secret in the message.
+
+        Notes
+        -----
+        Every node is probed at once (a connection of its own, ``PING``),
+        each within ``connect_timeout_s``: a hung node (connections accepted,
+        nothing answered) delays the open by that much, not more. Reading
+        the slot map from a node that answered is bounded by
+        ``connect_timeout_s + timeout_s``.
         """
         namespace = layout.namespace if isinstance(layout, KVLayout) else layout
         if not isinstance(namespace, bytes) or len(namespace) != KEY_BYTES:
             raise InvalidArgumentError(f"namespace must be {KEY_BYTES} bytes, got {namespace!r}")
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
             raise InvalidArgumentError(f"block_bytes must be a positive int, got {block_bytes!r}")
-        client = await open_cluster_client(config)
-        return cls(config, client, namespace, block_bytes)
+        client = await open_cluster_client(config, strict=config.require_at_open)
+        try:
+            return cls(config, client, namespace, block_bytes)
+        except BaseException:
+            await client.aclose()
+            raise
 
     # -- capabilities and queries (no I/O) ----------------------------------------------
 
@@ -338,6 +379,9 @@ class ClusterTier(Tier):
             cluster_down=f.cluster_down,
             refused_in_backoff=f.refused_in_backoff,
             reconnects=f.reconnects,
+            outages=f.outages,
+            recoveries=f.recoveries,
+            nodes_down=self._client.nodes_down,
         )
 
     # -- refresh (one pipelined EXISTS per node) -----------------------------------------
