@@ -181,6 +181,11 @@ class TierMetrics:
     recovery_state: str | None = None
     """File tier: ``running``, ``complete`` or ``failed``; the gauge
     ``kvtier_recovery_state{state=...}`` is 1 for it and 0 for the others."""
+    node_outages_total: int | None = None
+    """Cluster tier: times a node stopped answering (at open, or while serving);
+    its keys are misses until a background probe finds it again."""
+    nodes_down: int | None = None
+    """Cluster tier: nodes not answering now."""
 
     def as_dict(self) -> dict[str, int | float | str]:
         """The figures this tier has, by field name (the ``statistics_file`` section)."""
@@ -215,6 +220,8 @@ _HELP = {
     "recovery_torn_slots": "Slots this tier found torn (interrupted writes) when it opened.",
     "recovery_seconds": "Seconds this tier's recovery scan took when it opened.",
     "recovery_state": "1 for this tier's recovery state (running, complete, failed), else 0.",
+    "node_outages_total": "Times a node of this tier stopped answering (its keys then miss).",
+    "nodes_down": "Nodes of this tier not answering now.",
 }
 
 _ENGINE_ONLY = {"read_busy_seconds_total", "write_busy_seconds_total"}

@@ -20,8 +20,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvtier.chain import TierCounts
 from kvtier.errors import TierIOError
-from kvtier.metrics import TierMetrics
+from kvtier.metrics import TierMetrics, samples, tier_metrics
 from kvtier.testing.tier import Rows, block_keys
 from kvtier.testing.valkey import ValkeyCluster
 from kvtier.tiers.cluster import ClusterTier
@@ -102,8 +103,11 @@ async def test_a_frozen_node_neither_stops_the_open_nor_fails_the_others(
     assert warnings_naming(caplog, name) == 1, "one WARNING per outage, not per block"
     figures = stats.metric_figures()
     assert set(figures) <= set(TierMetrics.__dataclass_fields__)
-    if "node_outages_total" in figures:
-        assert figures["node_outages_total"] == 1
+    assert (figures["node_outages_total"], figures["nodes_down"]) == (1, 1)
+    # ... and as the samples both fronts export, labelled by tier.
+    exported = samples({"cluster": tier_metrics(stats, TierCounts(), row_bytes=BLOCK)})
+    assert exported[("kvtier_node_outages_total", ("cluster",))] == 1
+    assert exported[("kvtier_nodes_down", ("cluster",))] == 1
 
     cluster.thaw(0)
     await asyncio.to_thread(cluster.wait_ok)
