@@ -1400,7 +1400,7 @@ async def test_full_filesystem_fails_at_open_never_mid_store(
 ) -> None:
     # A budget the filesystem cannot hold fails at open, before anything is
     # written (tests/tiers/test_root_budget.py checks that closely).
-    with pytest.raises(CapacityError, match="bytes free"):
+    with pytest.raises(CapacityError, match="KiB free; the file tier needs"):
         await open_tier(root=small_fs / "tier", blocks=64, direct_io="auto")
     # One that fits is reserved whole: once the rest of the disk is filled by
     # someone else, the tier still stores its whole budget, and more with evictions.

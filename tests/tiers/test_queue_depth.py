@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,7 +49,7 @@ def rows(n: int) -> list[memoryview]:
     return [view[i * BLOCK : (i + 1) * BLOCK] for i in range(n)]
 
 
-def config(root: Path, slots: int, **kw: object) -> FileTierConfig:
+def config(root: Path, slots: int, **kw: Any) -> FileTierConfig:
     return FileTierConfig(
         root=root,
         bytes_to_use=FileTier.budget_for(slots, BLOCK),

@@ -17,11 +17,13 @@ import errno
 import json
 import logging
 import os
+import re
 import resource
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,12 +31,14 @@ from typing import Any
 
 import pytest
 
+from kvtier._sizes import format_size
 from kvtier.config import FileTierConfig
 from kvtier.errors import CapacityError, ClosedError, TierIOError
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.testing.io_engine import FaultyEngine, aligned_buffer
 from kvtier.tiers.block_format import HEADER_BYTES
 from kvtier.tiers.file import FileTier
+from kvtier.tiers.file._root import lock_root_blocking, release_root
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine, open_io_engine
 
@@ -139,10 +143,10 @@ async def test_budget_beyond_free_space_is_refused_before_anything_is_written(
     with pytest.raises(CapacityError) as info:
         await open_ns(root, nbytes=want)
     message = str(info.value)
-    assert f"{free} bytes free" in message
-    assert f"bytes_to_use ({want})" in message
+    assert f"{format_size(free)} free" in message
+    assert f"bytes_to_use ({format_size(want)})" in message
     assert free_blocks(small_fs) == st.f_bfree
-    assert sorted(os.listdir(root)) == ["kvtier.lock"]
+    assert not root.exists()  # made by the open, and removed with its lock
 
 
 async def test_budget_beyond_the_free_space_of_tmp_is_refused(tmp_path: Path) -> None:
@@ -150,10 +154,77 @@ async def test_budget_beyond_the_free_space_of_tmp_is_refused(tmp_path: Path) ->
     free = st.f_bavail * st.f_frsize
     want = free + (1 << 40)
     root = tmp_path / "tier"
-    with pytest.raises(CapacityError, match=rf"bytes free.*bytes_to_use \({want}\)"):
+    with pytest.raises(CapacityError, match=rf" free;.*bytes_to_use \({format_size(want)}\)"):
         await open_ns(root, nbytes=want)
-    assert sorted(os.listdir(root)) == ["kvtier.lock"]
-    assert usage(root) <= 4096
+    assert not root.exists()
+    root.mkdir()  # a root that exists stays, emptied of what the open wrote
+    with pytest.raises(CapacityError):
+        await open_ns(root, nbytes=want)
+    assert os.listdir(root) == []
+
+
+async def test_a_refused_open_states_sizes_in_units_and_leaves_no_lock(tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    config = FileTierConfig(root=root, bytes_to_use="1PiB", io_engine="threads")
+    with pytest.raises(CapacityError) as info:
+        await FileTier.open(config, layout(), block_bytes=BLOCK)
+    message = str(info.value).replace(str(root), "<root>")
+    assert "bytes_to_use (1.00 PiB)" in message
+    assert not re.search(r"\d{5,}", message), message  # no raw byte counts
+    assert not root.exists()  # the open made it, and its lock: both gone
+
+
+def test_a_waiter_on_a_removed_root_lock_takes_the_new_one(tmp_path: Path) -> None:
+    first = lock_root_blocking(tmp_path)
+    assert first is not None
+    got: list[int | None] = []
+    waiter = threading.Thread(target=lambda: got.append(lock_root_blocking(tmp_path)), daemon=True)
+    waiter.start()
+    time.sleep(0.2)  # it waits on the lock file first holds
+    # A failed open on a root holding nothing else removes the lock file it holds.
+    release_root(tmp_path, first, created_root=False)
+    waiter.join(10)
+    (fd,) = got
+    assert fd is not None
+    try:
+        # The waiter did not keep the removed file's lock: it holds the file there now.
+        assert os.fstat(fd).st_ino == os.stat(tmp_path / "kvtier.lock").st_ino
+    finally:
+        os.close(fd)
+
+
+async def test_files_outside_kvtier_taking_most_of_the_budget_are_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "tier"
+    root.mkdir()
+    want = budget(64)
+    fd = os.open(root / "someone-elses.bin", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, want * 3 // 4)
+    finally:
+        os.close(fd)
+    outside = os.stat(root / "someone-elses.bin").st_blocks * 512
+    with caplog.at_level(logging.INFO, logger="kvtier.file_tier"):
+        tier = await open_ns(root, nbytes=want)
+    left = tier.statistics().capacity_bytes
+    assert 0 < left < want // 4
+    (warned,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    said = warned.getMessage()
+    assert f"someone-elses.bin ({format_size(outside)})" in said
+    assert f"bytes_to_use {format_size(want)}" in said
+    assert format_size(left) in said
+    # At INFO, what the budget leaves the namespace, at every open.
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any(f"({format_size(left)}) of bytes_to_use" in m for m in infos), infos
+    await tier.aclose()
+    # Outside files taking less than half draw no warning.
+    os.truncate(root / "someone-elses.bin", 0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvtier.file_tier"):
+        again = await open_ns(root, nbytes=want)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    await again.aclose()
 
 
 @pytest.fixture(params=["tmpfs", "ext4"])
@@ -195,7 +266,7 @@ async def test_disk_filled_after_the_check_leaves_no_new_namespace(
     with pytest.raises(TierIOError) as info:
         await open_ns(root, nbytes=budget(16))
     assert info.value.errno == errno.ENOSPC
-    assert sorted(os.listdir(root)) == ["kvtier.lock"]
+    assert os.listdir(root) == []  # its lock too: a failed open leaves no trace
     (small_disk / "filler").unlink()
     assert free_blocks(small_disk) == before
 
@@ -243,7 +314,7 @@ async def test_reservation_failing_leaves_no_namespace_behind(
         with pytest.raises(TierIOError) as info:
             await open_ns(root, nbytes=budget(8))
         assert info.value.errno == errno.EFBIG
-        assert sorted(os.listdir(root)) == ["kvtier.lock"]
+        assert not root.exists()  # the open made the root: it goes, its lock with it
 
 
 async def test_recovery_failing_after_the_reservation_shrinks_the_slot_file_back(
@@ -392,7 +463,7 @@ async def test_open_namespaces_keep_their_share(tmp_path: Path) -> None:
     with pytest.raises(CapacityError) as info:
         await open_ns(root, "c", 2 * budget(16))
     message = str(info.value)
-    assert f"bytes_to_use ({2 * budget(16)})" in message
+    assert f"bytes_to_use ({format_size(2 * budget(16))})" in message
     assert "open namespaces" in message
     assert a.path.name in message
     assert b.path.name in message
@@ -449,7 +520,7 @@ async def test_lru_reclaims_the_least_recently_used_first_and_only_what_it_needs
     # Another model's cache went away: a WARNING naming it, its model and its size.
     (said,) = [r for r in caplog.records if "reclaimed namespace" in r.getMessage()]
     assert said.levelno == logging.WARNING
-    assert f"{gone} ({older}, {sizes[older]} bytes)" in said.getMessage()
+    assert f"{gone} ({older}, {format_size(sizes[older])})" in said.getMessage()
     newer = "y" if older == "x" else "x"
     assert not namespace_dir(root, older).exists()
     assert namespace_dir(root, newer).exists()

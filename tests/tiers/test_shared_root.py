@@ -8,6 +8,8 @@ Everything is real: O_DIRECT slot files, the mapped index files, io_uring.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -16,8 +18,14 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from kvtier._sizes import format_size
 from kvtier.config import FileTierConfig
-from kvtier.errors import BlockNotFoundError, CapacityError
+from kvtier.errors import (
+    BlockNotFoundError,
+    CapacityError,
+    ConfigurationError,
+    NamespaceMismatchError,
+)
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.testing.io_engine import aligned_buffer
 from kvtier.tiers.base import Watched
@@ -25,7 +33,7 @@ from kvtier.tiers.block_format import HEADER_BYTES
 from kvtier.tiers.file import FileTier, FileTierStatistics
 from kvtier.tiers.file._description import partition_dir_name, split_dir_name
 from kvtier.tiers.file._index import IndexReader, SlotIndex
-from kvtier.tiers.file._root import disk_usage
+from kvtier.tiers.file._root import allocated, disk_usage
 
 BLOCK = 8192
 POLL = 0.01
@@ -273,6 +281,132 @@ async def test_a_closed_partition_is_adopted_and_stays_readable(
     assert (await c.load(ks, out.rows())).loaded == tuple(ks)
     assert all(out.block(i) == rows.block(i) for i in range(5))
     await until(lambda: a.lookup(ks) == 5)
+
+
+# -- what every instance must agree on ------------------------------------------------
+
+
+async def test_an_instance_with_another_block_size_is_refused(
+    open_tier: OpenTier, tmp_path: Path
+) -> None:
+    root = tmp_path / "tier"
+    a = await open_tier()
+    ks = keys(4)
+    await a.store(ks, pattern_rows(ks).rows())
+    config = FileTierConfig(
+        root=root,
+        bytes_to_use=2 * FileTier.budget_for(16, BLOCK),
+        queue_depth=4,
+        instances=2,
+        peer_poll_s=POLL,
+    )
+    # The same layout (so the same namespace) with rows of another size:
+    # refused, not given a partition whose keys a would count and never load.
+    with pytest.raises(NamespaceMismatchError) as info:
+        await FileTier.open(config, make_layout(), block_bytes=2 * BLOCK)
+    message = str(info.value)
+    assert str(a.path) in message
+    assert "open in a live file tier" in message
+    assert f"{BLOCK} bytes" in message
+    assert f"{2 * BLOCK}-byte blocks" in message
+    assert sorted(os.listdir(root)) == sorted(["kvtier.lock", NS])
+    # A partition of another block size left by a kvtier that did not check
+    # (made here on another root, then moved in) is never read by a.
+    elsewhere = tmp_path / "elsewhere"
+    other = await FileTier.open(
+        FileTierConfig(root=elsewhere, bytes_to_use=FileTier.budget_for(4, 2 * BLOCK)),
+        make_layout(),
+        block_bytes=2 * BLOCK,
+    )
+    theirs = keys(3, salt=7)
+    wide = aligned_buffer(3 * 2 * BLOCK)
+    views = [memoryview(wide)[i * 2 * BLOCK : (i + 1) * 2 * BLOCK] for i in range(3)]
+    assert (await other.store(theirs, views)).stored == tuple(theirs)
+    await other.aclose()
+    os.rename(elsewhere / NS, root / f"{NS}.1")
+    a._peers.scan()  # what a's next listing of the root does
+    a._peers.poll()
+    assert a.statistics().peer_partitions == 0
+    assert a.lookup(theirs) == 0
+    assert a.lookup(ks) == len(ks)  # its own, as before
+
+
+async def test_an_instance_with_another_budget_is_refused_naming_both(
+    open_tier: OpenTier, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "tier"
+    budget = 2 * FileTier.budget_for(16, BLOCK)
+    a = await open_tier(budget=budget)
+    for wrong in (2 * budget, budget - 4096):
+        with pytest.raises(ConfigurationError) as info:
+            await open_tier(budget=wrong)
+        message = str(info.value)
+        assert f"bytes_to_use ({format_size(wrong)})" in message
+        assert f"{format_size(budget)} ({NS})" in message
+    assert sorted(os.listdir(root)) == sorted(["kvtier.lock", NS])
+    # Another model on the root with another budget is warned of, naming both.
+    with caplog.at_level(logging.WARNING, logger="kvtier.file_tier"):
+        other = await FileTier.open(
+            FileTierConfig(root=root, bytes_to_use=2 * budget, instances=4),
+            make_layout("other model"),
+            block_bytes=BLOCK,
+        )
+    await other.aclose()
+    (said,) = [r.getMessage() for r in caplog.records if "differs" in r.getMessage()]
+    assert f"bytes_to_use ({format_size(2 * budget)})" in said
+    assert f"{format_size(budget)} ({NS})" in said
+    # The same budget is welcome; once nobody is open, so is another one.
+    b = await open_tier(budget=budget)
+    assert b.statistics().partition == f"{NS}.1"
+    await a.aclose()
+    await b.aclose()
+    c = await open_tier(budget=2 * budget)
+    assert c.statistics().partition == NS
+    assert json.loads((c.path / "namespace.json").read_text())["bytes_to_use"] == 2 * budget
+
+
+async def test_reclaiming_a_partition_a_live_peer_reads_frees_its_blocks_at_once(
+    open_tier: OpenTier, tmp_path: Path
+) -> None:
+    root = tmp_path / "tier"
+    budget = 2 * FileTier.budget_for(16, BLOCK)
+    # Neither lists the root on its own during the test (every 10 s).
+    a = await open_tier(budget=budget, peer_poll_s=10)
+    b = await open_tier(budget=budget, peer_poll_s=10)
+    n = b.statistics().capacity_bytes // (HEADER_BYTES + BLOCK)
+    ks = keys(n, salt=5)
+    await b.store(ks, pattern_rows(ks).rows())
+    await b.aclose()
+    a._peers.scan()
+    a._peers.poll()
+    assert a.lookup(ks) == n
+    (part,) = a._peers._parts.values()
+    assert os.fstat(part.fd).st_blocks * 512 >= n * (HEADER_BYTES + BLOCK)
+    index = allocated(b.path / "index")
+    # Another model opens on the root and reclaims b's partition (nobody has
+    # it open) for room, while a still holds its slot file and maps its index.
+    other = await FileTier.open(
+        FileTierConfig(root=root, bytes_to_use=budget, instances=2, queue_depth=4),
+        make_layout("other model"),
+        block_bytes=BLOCK,
+    )
+    try:
+        assert not b.path.exists()
+        # The slot file's blocks are freed though a holds it open; its index
+        # stays allocated under a's mapping, and counted.
+        assert os.fstat(part.fd).st_blocks == 0
+        assert disk_usage(root) + index <= budget
+        # a's reads of it are misses (short reads), never wrong bytes.
+        out = Rows(n)
+        result = await a.load(ks, out.rows())
+        assert result.loaded == ()
+        assert all(isinstance(e, BlockNotFoundError) for e in result.missing.values())
+        assert a.statistics().peer_stale == n
+        assert a.lookup(ks) == 0
+        a._peers.scan()  # its next listing lets go of the partition
+        assert a.statistics().peer_partitions == 0
+    finally:
+        await other.aclose()
 
 
 # -- the Engine front -----------------------------------------------------------------

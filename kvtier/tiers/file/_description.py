@@ -73,6 +73,10 @@ class Description:
     """``layout.model_id``, when the layout names one."""
     raw: dict[str, Any]
     """The whole object as parsed (for display only: nothing reads it further)."""
+    bytes_to_use: int | None = None
+    """The root's budget the tier that last opened the directory was given
+    (``FileTierConfig.bytes_to_use``); None when not recorded (written before
+    it was)."""
 
 
 def is_namespace_name(name: str) -> bool:
@@ -184,7 +188,10 @@ def parse_description(path: Path, data: object) -> Description:
         raise _field(path, "slot_bytes", slot, f"is not {HEADER_BYTES} + block_bytes ({block})")
     if data.get("layout_kind") != LAYOUT_KIND:
         raise _field(path, "layout_kind", data.get("layout_kind"), f"is not {LAYOUT_KIND!r}")
-    return Description(path, version, namespace, block, slot, _model(path, data), data)
+    budget = (
+        None if data.get("bytes_to_use") is None else _int(path, data, "bytes_to_use", 1, 1 << 64)
+    )
+    return Description(path, version, namespace, block, slot, _model(path, data), data, budget)
 
 
 def _model(path: Path, data: dict[str, Any]) -> str | None:

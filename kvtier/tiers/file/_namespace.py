@@ -26,6 +26,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier._sizes import format_size
 from kvtier.config import FileTierConfig
 from kvtier.errors import (
     BusyError,
@@ -51,7 +52,9 @@ from kvtier.tiers.file._index import INDEX_FILE
 from kvtier.tiers.file._root import (
     DATA_FILE,
     NAMESPACE_LOCK,
+    RootUsage,
     allocated,
+    check_budget,
     data_cost,
     delete_namespace_files,
     disk_usage,
@@ -60,6 +63,7 @@ from kvtier.tiers.file._root import (
     metadata_estimate,
     plan_share,
     quarantine_keep,
+    release_root,
     scan_root,
     slots_within,
     trim_quarantine,
@@ -146,14 +150,21 @@ class Undo:
             os.close(fd)
 
 
-def undo_under_root_lock(root: Path, undo: Undo) -> None:
-    """:meth:`Undo.rollback` under the root lock (after the open released it)."""
+def undo_under_root_lock(root: Path, undo: Undo, *, created_root: bool = False) -> None:
+    """:meth:`Undo.rollback` under the root lock (after the open released it).
+
+    Then, as after any failed open, a root left with nothing but its lock
+    loses the lock file, and the root itself when the open created it (see
+    :func:`~kvtier.tiers.file._root.release_root`).
+    """
     fd = lock_root_blocking(root)
+    if fd is None:  # only without create; kept for the type checker
+        undo.rollback()
+        return
     try:
         undo.rollback()
     finally:
-        if fd is not None:
-            os.close(fd)
+        release_root(root, fd, created_root=created_root)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +196,10 @@ def prepare(config: FileTierConfig, layout: KVLayout, block_bytes: int, alignmen
     BusyError
         When every partition of the namespace is open in a live tier.
     NamespaceMismatchError
-        When ``namespace.json`` describes another block size or namespace.
+        When ``namespace.json`` describes another block size or namespace, in
+        this partition or in another partition of the namespace.
+    ConfigurationError
+        When a live instance of the namespace was given another ``bytes_to_use``.
     CapacityError
         When the share leaves no room for one slot, or the filesystem has not
         the free space for the share.
@@ -200,7 +214,7 @@ def prepare(config: FileTierConfig, layout: KVLayout, block_bytes: int, alignmen
     root = Path(config.root)
     slot_bytes = HEADER_BYTES + block_bytes
     budget = int(config.bytes_to_use)
-    text = _description_text(layout, block_bytes, alignment)
+    text = _description_text(layout, block_bytes, alignment, budget)
     fds: list[int] = []
     ns_dir, lock_fd = _pick_partition(root, layout.namespace.hex())
     undo = Undo(ns_dir)
@@ -214,6 +228,8 @@ def prepare(config: FileTierConfig, layout: KVLayout, block_bytes: int, alignmen
             desc = _check_description(ns_dir, layout, block_bytes)
             _clean_tmp(ns_dir)
         usage = scan_root(root, probe=True, skip=ns_dir.name)
+        check_budget(usage, budget, layout.namespace.hex())
+        _check_partitions(usage, layout, block_bytes)
         unit = usage.unit
         own = disk_usage(ns_dir) if exists else 0
         own_meta = (
@@ -243,7 +259,9 @@ def prepare(config: FileTierConfig, layout: KVLayout, block_bytes: int, alignmen
                 undo.created_subdirs.append(sub)
         # The lock file's mtime is the namespace's last use (see kvtier.tiers.file._root).
         os.utime(fds[0])
-        if desc is None:
+        if desc is None or desc.bytes_to_use != budget:
+            # (Rewritten when the budget changed: the root's budget, recorded
+            # for the other tiers opening on the root meanwhile to check.)
             undo.wrote_description = not (ns_dir / DESCRIPTION_FILE).exists()
             _write_description(ns_dir, text)
         fallback = _probe_direct_io(ns_dir / "tmp", config.direct_io, alignment)
@@ -271,8 +289,9 @@ def prepare(config: FileTierConfig, layout: KVLayout, block_bytes: int, alignmen
             slots = slots_within(share.room - meta_now - over, slot_bytes, unit)
             if slots < 1:
                 raise CapacityError(
-                    f"the filesystem of {root} allocated {taken} bytes for the slot file: "
-                    f"bytes_to_use ({budget}) leaves no room for one slot of {slot_bytes} bytes"
+                    f"the filesystem of {root} allocated {format_size(taken)} for the slot "
+                    f"file: bytes_to_use ({format_size(budget)}) leaves no room for one slot "
+                    f"of {format_size(slot_bytes)}"
                 )
         return Prepared(fds[0], ns_fd, data_fd, fallback, slots, undo)
     except BaseException:
@@ -295,9 +314,9 @@ def _check_free_space(root: Path, need: int, budget: int, slots: int) -> None:
     free = st.f_bavail * st.f_frsize
     if need > free:
         raise CapacityError(
-            f"the filesystem of {root} has {free} bytes free; the file tier needs {need} more "
-            f"for {slots} slots within bytes_to_use ({budget}): free some space or lower "
-            "bytes_to_use"
+            f"the filesystem of {root} has {format_size(free)} free; the file tier needs "
+            f"{format_size(need)} more for {slots:,} slots within bytes_to_use "
+            f"({format_size(budget)}): free some space or lower bytes_to_use"
         )
 
 
@@ -411,6 +430,34 @@ def _check_description(ns_dir: Path, layout: KVLayout, block_bytes: int) -> Desc
     return desc
 
 
+def _check_partitions(usage: RootUsage, layout: KVLayout, block_bytes: int) -> None:
+    """Refuse a block size (or namespace) another partition of the namespace does not share.
+
+    The partitions of a namespace read each other's slots at offsets of
+    their own slot size, and count each other's keys in their lookups: every
+    field of ``namespace.json`` that decides where and what a slot is must
+    agree (``namespace``, ``block_bytes``, hence ``slot_bytes``; the header
+    size and format are fixed by the reader). Partitions open or not are
+    checked alike, as this partition's own description is.
+    """
+    mine = layout.namespace.hex()
+    for ns in usage.namespaces:
+        desc = ns.description
+        parsed = split_dir_name(ns.name)
+        if parsed is None or parsed[0] != mine or desc is None:
+            continue
+        if desc.format_version < TIER_FORMAT_VERSION:
+            continue  # discarded by whoever opens it; nothing of it is read
+        if desc.block_bytes != block_bytes or desc.namespace != mine:
+            state = "open in a live file tier" if ns.open else "not open"
+            raise NamespaceMismatchError(
+                f"{ns.path} ({state}) holds blocks of {desc.block_bytes} bytes for namespace "
+                f"{desc.namespace}; this tier has {block_bytes}-byte blocks for namespace "
+                f"{mine}: every partition of a namespace, every instance sharing the root, "
+                "must have the same block size"
+            )
+
+
 def _clean_tmp(ns_dir: Path) -> None:
     """Delete what a crash left in ``tmp/`` (probe files, a half-written description)."""
     with contextlib.suppress(FileNotFoundError), os.scandir(ns_dir / "tmp") as it:
@@ -420,8 +467,9 @@ def _clean_tmp(ns_dir: Path) -> None:
                     os.unlink(entry.path)
 
 
-def _description_text(layout: KVLayout, block_bytes: int, alignment: int) -> bytes:
+def _description_text(layout: KVLayout, block_bytes: int, alignment: int, budget: int) -> bytes:
     desc = {
+        "bytes_to_use": budget,
         "format": FORMAT_NAME,
         "format_version": TIER_FORMAT_VERSION,
         "layout_kind": LAYOUT_KIND,

@@ -21,8 +21,12 @@ owner, whose own reads find it.
 
 Partitions come and go: every second the root is listed again; a partition
 whose ``index`` was replaced (a new owner adopted it) is mapped again, and
-one whose directory is gone (reclaimed) is dropped with its descriptors, so
-that its space is freed.
+one whose directory is gone (reclaimed) is dropped with its descriptors.
+A reclaim truncates the slot file before unlinking it, so its space is
+freed before then; reads of it meanwhile come back short: a miss, counted
+as ``stale``. A partition whose ``namespace.json`` gives another block size
+(or namespace) is never mapped (opens refuse to make one; an older kvtier
+might have).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from kvtier.errors import BlockNotFoundError, KVTierError, TierIOError
 from kvtier.tiers import block_format
 from kvtier.tiers.base import LoadResult
 from kvtier.tiers.block_format import HEADER_BYTES, VERIFY_TRANSFER
-from kvtier.tiers.file._description import split_dir_name
+from kvtier.tiers.file._description import DESCRIPTION_FILE, read_description, split_dir_name
 from kvtier.tiers.file._index import INDEX_FILE, IndexReader
 from kvtier.tiers.file._root import DATA_FILE
 from kvtier.transfer.completion import Completion
@@ -240,11 +244,21 @@ class Peers:
                 if outcome is None:
                     self.hits += 1
                     read.loaded.append(key)
+                elif outcome == VERIFY_TRANSFER and exc is None:
+                    # Short, without an error: the slot file is shorter than
+                    # the slot now (its partition was reclaimed, and the file
+                    # truncated, or its owner reopened it smaller). A miss.
+                    self.stale += 1
+                    self._unplace(key, part, slots[i])
+                    read.missing[key] = BlockNotFoundError(
+                        f"block {key.hex()} is gone from {part.dir.name} slot {slots[i]} "
+                        "(its slot file was truncated or removed)"
+                    )
                 elif outcome == VERIFY_TRANSFER:
                     self.read_errors += 1
                     err = exc if isinstance(exc, KVTierError) else None
                     read.missing[key] = err or TierIOError(
-                        _errno.EIO, f"short read of slot {slots[i]}", part.dir / DATA_FILE
+                        _errno.EIO, f"reading slot {slots[i]}: {exc}", part.dir / DATA_FILE
                     )
                 else:
                     # Its owner rewrote or cleared the slot meanwhile: a miss,
@@ -290,6 +304,8 @@ class Peers:
 
     def _map(self, name: str) -> None:
         path = self._root / name
+        if not self._agrees(name, path):
+            return
         try:
             index = IndexReader(path / INDEX_FILE)
         except FileNotFoundError:
@@ -309,6 +325,29 @@ class Peers:
             return
         part = _Partition(name, path, fd, index, [None] * index.slots)
         self._parts[name] = part
+
+    def _agrees(self, name: str, path: Path) -> bool:
+        """Whether the partition's ``namespace.json`` has this tier's block size and namespace.
+
+        One that does not (written by a kvtier that did not check at open)
+        is never mapped: its slots are elsewhere than this tier reads, and
+        its keys must not count in lookups that every load would miss.
+        """
+        try:
+            desc = read_description(path / DESCRIPTION_FILE)
+        except TierIOError as exc:
+            self._once(name, f"partition {path} is not read: {exc}")
+            return False
+        if desc is None:
+            return False  # being created: the next listing finds it
+        if desc.block_bytes != self._block_bytes or desc.namespace != self._name:
+            self._once(
+                name,
+                f"partition {path} is not read: it holds blocks of {desc.block_bytes} bytes "
+                f"for namespace {desc.namespace}, this tier {self._block_bytes}-byte blocks",
+            )
+            return False
+        return True
 
     def _replaced(self, part: _Partition) -> bool:
         """Whether the partition's index is not the file mapped (a new owner replaced it)."""

@@ -13,9 +13,11 @@ namespace (from its accounting until its slot file is reserved), undoing a
 failed open, and ``kvtier gc``. A namespace's own ``lock`` is taken only
 under that lock, so a process holding it can ask each namespace whether it is
 open (a non-blocking ``flock`` on its ``lock``) without racing an opening
-tier; ``kvtier inspect`` does so under a shared lock. The root lock file is
-never removed (removing a lock file others may be waiting on would let two
-holders in).
+tier; ``kvtier inspect`` does so under a shared lock. Whoever takes the
+root lock checks, once it holds it, that the file it locked is still
+``<root>/kvtier.lock`` (else it opens that again and retries): so an open
+that fails on a root holding nothing else may remove the lock file it holds
+(:func:`release_root`) without letting two holders in.
 
 What a namespace holds. One that is open keeps what it may still grow to:
 its slot file, metadata and filesystem bookkeeping as measured, plus its
@@ -26,7 +28,14 @@ the modification time of its ``lock`` file, set when a tier opens it and
 when it closes.
 
 Sizes are ``st_blocks * 512`` (what the filesystem allocated), never
-``st_size``; symlinks are never followed.
+``st_size``; symlinks are never followed. A slot file is truncated to zero
+before it is unlinked (:func:`delete_namespace_files`): other instances'
+readers may still hold it open for up to a second, and an unlinked file's
+blocks stay allocated while a descriptor is open, where the budget would no
+longer see them. Their mapped ``index`` cannot be shrunk under them (a
+mapping faults past the end of its file); while an instance of its
+namespace is live, a reclaimed partition's ``index`` stays counted against
+the share of the open that reclaimed it.
 """
 
 from __future__ import annotations
@@ -43,7 +52,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.errors import CapacityError, TierIOError
+from kvtier._sizes import format_size
+from kvtier.errors import CapacityError, ConfigurationError, TierIOError
 from kvtier.tiers.file._description import (
     DESCRIPTION_FILE,
     Description,
@@ -64,6 +74,7 @@ __all__ = [
     "Share",
     "allocated",
     "allocation_unit",
+    "check_budget",
     "collect",
     "data_cost",
     "delete_namespace_files",
@@ -75,6 +86,7 @@ __all__ = [
     "plan_share",
     "probe_open",
     "quarantine_keep",
+    "release_root",
     "remove_namespace",
     "round_up",
     "scan_root",
@@ -86,6 +98,8 @@ log = logging.getLogger("kvtier.file_tier")
 
 ROOT_LOCK = "kvtier.lock"
 """The root's lock file (empty: it takes no disk blocks)."""
+OUTSIDE_WARN = 0.5
+"""Share of the budget above which what kvtier does not own in the root is warned of."""
 NAMESPACE_LOCK = "lock"
 DATA_FILE = "blocks.dat"
 QUARANTINE_MAX = 8
@@ -278,9 +292,9 @@ class NamespaceUsage:
         return max(self.disk_bytes, meta + data_cost(slots, desc.slot_bytes, unit))
 
     def describe(self) -> str:
-        """``<name> (<model>, <bytes>)`` for messages."""
+        """``<name> (<model>, <size>)`` for messages."""
         model = self.description.model_id if self.description is not None else None
-        return f"{self.name} ({model or 'unknown model'}, {self.disk_bytes} bytes)"
+        return f"{self.name} ({model or 'unknown model'}, {format_size(self.disk_bytes)})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +310,9 @@ class RootUsage:
     other_bytes: int
     """The root directory itself (at least one unit), its lock file, and every
     entry that is not a namespace directory (never removed)."""
+    outside: tuple[tuple[str, int], ...] = ()
+    """The entries that are not namespace directories (nor the lock file),
+    each with its bytes on disk, largest first."""
 
     @property
     def disk_bytes(self) -> int:
@@ -330,15 +347,20 @@ def scan_root(root: Path, *, probe: bool, skip: str | None = None) -> RootUsage:
         raise TierIOError(exc.errno or 0, f"cannot list the root: {exc.strerror}", root) from exc
     other = max(own, unit)
     namespaces = []
+    outside: list[tuple[str, int]] = []
     for name in names:
         path = root / name
         if name == skip:
             continue
         if split_dir_name(name) is None or not _is_real_dir(path):
-            other += disk_usage(path)
+            size = disk_usage(path)
+            other += size
+            if name != ROOT_LOCK:
+                outside.append((name, size))
             continue
         namespaces.append(_measure(path, probe))
-    return RootUsage(root, unit, tuple(namespaces), other)
+    outside.sort(key=lambda entry: -entry[1])
+    return RootUsage(root, unit, tuple(namespaces), other, tuple(outside))
 
 
 def _measure(path: Path, probe: bool) -> NamespaceUsage:
@@ -427,21 +449,25 @@ async def lock_root(root: Path) -> int:
     the caller leaves no thread behind that would take the lock later.
     Close the descriptor to release it.
     """
-    fd = _open_root_lock(root, create=True)
-    if fd is None:  # only without create; kept for the type checker
-        raise TierIOError(_errno.ENOENT, "no root lock", root / ROOT_LOCK)
-    delay = 0.001
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return fd
-            except BlockingIOError:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.05)
-    except BaseException:
-        os.close(fd)
-        raise
+    while True:
+        fd = _open_root_lock(root, create=True)
+        if fd is None:  # only without create; kept for the type checker
+            raise TierIOError(_errno.ENOENT, "no root lock", root / ROOT_LOCK)
+        delay = 0.001
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.05)
+        except BaseException:
+            os.close(fd)
+            raise
+        if _still_the_lock(root, fd):
+            return fd
+        os.close(fd)  # removed by a failed open meanwhile: lock the file there now
 
 
 def lock_root_blocking(root: Path, *, shared: bool = False, create: bool = True) -> int | None:
@@ -450,15 +476,51 @@ def lock_root_blocking(root: Path, *, shared: bool = False, create: bool = True)
     For commands and worker threads. ``shared`` lets several readers
     (``kvtier inspect``) in at once and keeps opens and ``gc`` out.
     """
-    fd = _open_root_lock(root, create)
-    if fd is None:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-    except BaseException:
+    while True:
+        fd = _open_root_lock(root, create)
+        if fd is None:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        if _still_the_lock(root, fd):
+            return fd
         os.close(fd)
-        raise
-    return fd
+
+
+def _still_the_lock(root: Path, fd: int) -> bool:
+    """Whether ``fd`` (locked) is still the file at ``<root>/kvtier.lock``.
+
+    A failed open may remove the lock file it held (:func:`release_root`);
+    whoever was waiting on that file then holds a lock nobody else will
+    look at, and must lock the file now there instead.
+    """
+    held = os.fstat(fd)
+    try:
+        now = os.stat(root / ROOT_LOCK, follow_symlinks=False)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+def release_root(root: Path, fd: int, *, created_root: bool) -> None:
+    """Release the root lock ``fd`` after a failed open, leaving no trace of it.
+
+    When the root holds nothing but its lock file, the file is removed
+    while still locked (whoever waits on it retries on a new one, see
+    :func:`lock_root`), and the root directory too when the open created
+    it. Either way ``fd`` is closed.
+    """
+    try:
+        with contextlib.suppress(OSError):
+            if os.listdir(root) == [ROOT_LOCK] and _still_the_lock(root, fd):
+                os.unlink(root / ROOT_LOCK)
+                if created_root:
+                    os.rmdir(root)
+    finally:
+        os.close(fd)
 
 
 # -- removing a namespace ------------------------------------------------------------------
@@ -468,8 +530,10 @@ def remove_namespace(ns: NamespaceUsage) -> int:
     """Delete what kvtier wrote in a namespace directory not open; the bytes freed.
 
     Only a directory recognized as kvtier's (``ns.removable``) is touched,
-    and in it only what kvtier writes: ``blocks.dat`` first (so that a crash
-    part way leaves a directory still recognized, and reclaimed later),
+    and in it only what kvtier writes: ``blocks.dat`` first, truncated to
+    zero then unlinked (so that its blocks are freed at once though other
+    instances' readers still hold it open, and that a crash part way leaves
+    a directory still recognized, and reclaimed later),
     ``index``, the files of ``tmp/`` and ``quarantine/``, a format 1 ``blocks/`` tree, then
     ``namespace.json`` and ``lock``, and the directories once empty. Anything
     else stays, with the directory around it, and is logged. Every step goes
@@ -525,6 +589,7 @@ def delete_namespace_files(ns_dir: Path) -> bool:
     except OSError:
         return False
     try:
+        _truncate(dfd, DATA_FILE)
         _unlink(dfd, DATA_FILE)
         _unlink(dfd, INDEX_FILE)
         for sub in ("tmp", "quarantine"):
@@ -552,6 +617,27 @@ def trim_quarantine(qdir: Path, keep: int) -> None:
     for _, path in aged[: max(0, len(aged) - keep)]:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+def _truncate(dfd: int, name: str) -> None:
+    """Truncate the regular file ``name`` to zero: its blocks are freed even if others hold it.
+
+    Other instances' readers keep a descriptor of a partition's slot file
+    until their next listing of the root; unlinked only, its blocks would
+    stay allocated (and outside the budget's sight) until then. Their reads
+    of it come back short: a miss.
+    """
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except OSError:
+        return  # missing, a symlink, a FIFO without reader...: unlinked (or left) as it is
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.ftruncate(fd, 0)
+    except OSError as exc:
+        log.warning("file tier: cannot truncate %s before removing it: %s", name, exc.strerror)
+    finally:
+        os.close(fd)
 
 
 def _unlink(dfd: int, name: str) -> None:
@@ -688,6 +774,10 @@ def plan_share(
     def slots_now() -> int:
         return slots_within(room() - metadata, slot_bytes, unit)
 
+    # Namespaces whose partitions live instances read: they may hold a
+    # reclaimed partition's index mapped (and its slot file open, truncated
+    # to nothing by the reclaim) until their next listing of the root.
+    read = {_namespace_of(ns.name) for ns in kept if ns.open}
     reclaimed: list[NamespaceUsage] = []
     while reclaim and idle and slots_now() < wanted:
         ns = idle.pop(0)
@@ -695,24 +785,29 @@ def plan_share(
         # A WARNING: another model's cache is gone, which an operator must be able
         # to see (serving engines show WARNING and above by default).
         log.warning(
-            "file tier: reclaimed namespace %s (not open, last used %s) for %s: %d bytes freed",
+            "file tier: reclaimed namespace %s (not open, last used %s) for %s: %s freed",
             ns.describe(),
             _when(ns.last_used),
             namespace,
-            freed,
+            format_size(freed),
         )
         reclaimed.append(ns)
         if ns.path.exists():
             # Files kvtier did not write kept the directory: they still count.
             held += disk_usage(ns.path)
+        if _namespace_of(ns.name) in read:
+            # Its index stays allocated while a reader maps it (it cannot be
+            # shrunk under a mapping): counted as held, so the budget holds.
+            held += ns.index_bytes
     slots = slots_now()
+    holders = _holders(usage.other_bytes, kept, idle, unit, reclaim)
     if slots < 1:
         shared = any(ns.open for ns in kept)
         raise CapacityError(
-            f"bytes_to_use ({budget}) of the file tier root {usage.root} leaves no room for "
-            f"one slot of {slot_bytes} bytes for namespace {namespace}"
+            f"bytes_to_use ({format_size(budget)}) of the file tier root {usage.root} leaves "
+            f"no room for one slot of {format_size(slot_bytes)} for namespace {namespace}"
             + (f" (at most 1/{instances} of it per instance)" if instances > 1 else "")
-            + f": {_holders(usage.other_bytes, kept, idle, unit, reclaim)}"
+            + f": {holders}"
             + (
                 "; live instances sharing a root split its budget by the file tier's "
                 "`instances` (each takes at most bytes_to_use // instances)"
@@ -723,15 +818,114 @@ def plan_share(
     full = min(most, slots_within(budget - usage.other_bytes - metadata, slot_bytes, unit))
     if slots < full:
         log.warning(
-            "file tier: namespace %s gets %d slots (%d bytes) of bytes_to_use %d, not %d: %s",
+            "file tier: namespace %s gets %d slots (%s) of bytes_to_use %s, not %d: %s",
             namespace,
             slots,
-            slots * slot_bytes,
-            budget,
+            format_size(slots * slot_bytes),
+            format_size(budget),
             full,
-            _holders(usage.other_bytes, kept, idle, unit, reclaim),
+            holders,
         )
+    else:
+        log.info(
+            "file tier: namespace %s gets %d slots (%s) of bytes_to_use %s: %s",
+            namespace,
+            slots,
+            format_size(slots * slot_bytes),
+            format_size(budget),
+            holders,
+        )
+    _warn_outside(usage, kept, budget, namespace, slots * slot_bytes)
     return Share(slots, wanted, room(), tuple(reclaimed))
+
+
+def check_budget(usage: RootUsage, budget: int, namespace: str) -> None:
+    """Refuse a budget other than the one the instances open on the root were given.
+
+    Every tier records its ``bytes_to_use`` in its partition's
+    ``namespace.json`` at open. A root has one budget: with a larger one, a
+    later instance would take its share out of room the first counted on,
+    and the root's usage exceed the first's budget. Instances of one
+    namespace (one model sharing the root, split by ``instances``) must
+    agree: another budget is refused. A tier of another namespace open with
+    another budget is warned of, naming both (each model's budget is then the
+    root's only as far as the other's leaves it).
+
+    Parameters
+    ----------
+    usage
+        The root, from :func:`scan_root` with ``probe``.
+    budget
+        ``bytes_to_use`` of the tier being opened.
+    namespace
+        Its namespace (32 hex characters).
+
+    Raises
+    ------
+    ConfigurationError
+        Naming both budgets and the partitions open with the other one.
+    """
+    same: dict[int, list[str]] = {}
+    other: dict[int, list[str]] = {}
+    for ns in usage.namespaces:
+        theirs = ns.description.bytes_to_use if ns.open and ns.description else None
+        if theirs is not None and theirs != budget:
+            into = same if _namespace_of(ns.name) == namespace else other
+            into.setdefault(theirs, []).append(ns.name)
+    if same:
+        first = format_size(min(same))
+        what = (
+            f"bytes_to_use ({format_size(budget)}) differs from what the instances open on "
+            f"the root {usage.root} were given: {_budgets(same)}. A root has one budget, "
+            "split between the live instances sharing it: give every instance the same "
+            f"bytes_to_use ({first}), or close them first"
+        )
+        raise ConfigurationError(what, (("bytes_to_use", what),))
+    if other:
+        log.warning(
+            "file tier: bytes_to_use (%s) differs from what the file tiers of other models "
+            "open on the root %s were given: %s; the root's usage may exceed the smaller "
+            "budget. Give every tier on a root the same bytes_to_use",
+            format_size(budget),
+            usage.root,
+            _budgets(other),
+        )
+
+
+def _budgets(given: dict[int, list[str]]) -> str:
+    return "; ".join(
+        f"{format_size(size)} ({', '.join(names)})" for size, names in sorted(given.items())
+    )
+
+
+def _namespace_of(name: str) -> str:
+    """The namespace a partition directory belongs to (its name without ``.<n>``)."""
+    return name.partition(".")[0]
+
+
+def _warn_outside(
+    usage: RootUsage, kept: Iterable[NamespaceUsage], budget: int, namespace: str, left: int
+) -> None:
+    """WARN when what kvtier does not own in the root takes most of the budget."""
+    foreign = [ns for ns in kept if not ns.open and ns.problem is not None]
+    outside = usage.other_bytes + sum(ns.disk_bytes for ns in foreign)
+    if outside <= budget * OUTSIDE_WARN:
+        return
+    largest = [(name, size) for name, size in usage.outside] + [
+        (ns.name, ns.disk_bytes) for ns in foreign
+    ]
+    largest.sort(key=lambda entry: -entry[1])
+    named = ", ".join(f"{name} ({format_size(size)})" for name, size in largest[:3])
+    log.warning(
+        "file tier: files kvtier did not write take %s of the root %s's bytes_to_use %s "
+        "(they count in it and are never removed), leaving namespace %s %s of slots%s",
+        format_size(outside),
+        usage.root,
+        format_size(budget),
+        namespace,
+        format_size(left),
+        f": {named}" if named else "",
+    )
 
 
 def _holders(
@@ -747,22 +941,22 @@ def _holders(
     if opened:
         total = sum(ns.held_bytes(unit) for ns in opened)
         parts.append(
-            f"{total} bytes held by open namespaces "
+            f"{format_size(total)} held by open namespaces "
             + ", ".join(f"{ns.describe()}" for ns in opened)
         )
     idle = list(idle)
     if idle:
         why = "reclaim is off" if not reclaim else "not reclaimed"
         parts.append(
-            f"{sum(ns.disk_bytes for ns in idle)} bytes by namespaces not open ({why}) "
+            f"{format_size(sum(ns.disk_bytes for ns in idle))} by namespaces not open ({why}) "
             + ", ".join(ns.describe() for ns in idle)
         )
     if foreign:
         parts.append(
-            f"{sum(ns.disk_bytes for ns in foreign)} bytes by directories kvtier does not "
+            f"{format_size(sum(ns.disk_bytes for ns in foreign))} by directories kvtier does not "
             "recognize (never removed) " + ", ".join(f"{ns.name} ({ns.problem})" for ns in foreign)
         )
-    parts.append(f"{other} bytes by the root directory and other files")
+    parts.append(f"{format_size(other)} by the root directory and other files")
     return "; ".join(parts)
 
 

@@ -47,6 +47,7 @@ The tier is this facade over parts, each a module with one job, owned by
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
@@ -54,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from kvtier._sizes import format_size
 from kvtier.config import FileTierConfig
 from kvtier.errors import (
     BusyError,
@@ -69,12 +71,12 @@ from kvtier.manager import ManagerEvent, ResidencyManager
 from kvtier.tiers.base import LoadResult, StoreResult, Tier
 from kvtier.tiers.block_format import HEADER_BYTES
 from kvtier.tiers.file._description import LAYOUT_KIND, TIER_FORMAT_VERSION
-from kvtier.tiers.file._namespace import Prepared, prepare, undo_under_root_lock
+from kvtier.tiers.file._namespace import Prepared, Undo, prepare, undo_under_root_lock
 from kvtier.tiers.file._peers import RESCAN_S, Peers
 from kvtier.tiers.file._pipeline import Pipeline
 from kvtier.tiers.file._quarantine import Quarantine
 from kvtier.tiers.file._recovery import Recovery
-from kvtier.tiers.file._root import data_cost, lock_root, metadata_estimate
+from kvtier.tiers.file._root import data_cost, lock_root, metadata_estimate, release_root
 from kvtier.tiers.file._slots import SlotFile, probe_range
 from kvtier.tiers.file._worker import Worker
 from kvtier.transfer._ring import MAX_FIXED_BYTES, SPLIT_MIN
@@ -356,7 +358,11 @@ class FileTier(Tier):
             names them), or when the filesystem has not the free space for the
             share (the message names the free bytes and the budget).
         NamespaceMismatchError
-            When the namespace directory was made for another block size.
+            When the namespace directory, or another partition of the
+            namespace on the root, was made for another block size.
+        ConfigurationError
+            When a live instance of the namespace on the root was given
+            another ``bytes_to_use`` (the message names both).
         DirectIOUnsupportedError
             With ``direct_io="require"`` on a filesystem that refuses O_DIRECT.
         BusyError
@@ -415,11 +421,20 @@ class FileTier(Tier):
         file_bytes = HEADER_BYTES + block_bytes
         if int(config.bytes_to_use) < file_bytes:
             raise CapacityError(
-                f"bytes_to_use ({int(config.bytes_to_use)}) holds no slot of {file_bytes} bytes"
+                f"bytes_to_use ({format_size(int(config.bytes_to_use))}) holds no slot of "
+                f"{format_size(file_bytes)}"
             )
         root = Path(config.root)
-        await asyncio.to_thread(_make_root, root)
-        root_lock = await lock_root(root)
+        while True:
+            created_root = await asyncio.to_thread(_make_root, root)
+            try:
+                root_lock = await lock_root(root)
+                break
+            except TierIOError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise
+                # Removed meanwhile by another process's refused open of the
+                # empty root it had made (see release_root): make it again.
         try:
             # One thread does every disk step of the open under the root lock,
             # and undoes them itself when one fails.
@@ -428,8 +443,12 @@ class FileTier(Tier):
                 # Cancelled while the thread ran: it finished, so undo what it did.
                 await _run_to_end(_abandon, prepared)
                 raise asyncio.CancelledError
-        finally:
-            os.close(root_lock)
+        except BaseException:
+            # Refused: a root the open left with nothing but its lock goes back
+            # to what it was (no lock file; no root if the open made it).
+            release_root(root, root_lock, created_root=created_root)
+            raise
+        os.close(root_lock)
         undo = prepared.undo
         engine: IOEngine | None = None
         tier: FileTier | None = None
@@ -475,7 +494,7 @@ class FileTier(Tier):
                 _close_prepared(prepared)
                 if engine is not None and io_engine is None:
                     await _finish(engine.aclose())
-            await _run_to_end(undo_under_root_lock, root, undo)
+            await _run_to_end(_undo, root, undo, created_root)
             raise
         return tier
 
@@ -922,7 +941,8 @@ class FileTier(Tier):
 # -- opening helpers (run in worker threads where they touch the disk) ------------------
 
 
-def _make_root(root: Path) -> None:
+def _make_root(root: Path) -> bool:
+    """Create the root (0700) unless it exists; whether this call created it."""
     try:
         try:
             root.mkdir(mode=0o700, parents=True)
@@ -930,8 +950,9 @@ def _make_root(root: Path) -> None:
             # There already, or made by another process opening the root at the
             # same moment (a test-then-create would race it): what it is gets
             # checked when it is opened.
-            return
+            return False
         os.chmod(root, 0o700)
+        return True
     except OSError as exc:
         raise TierIOError(
             exc.errno or 0, f"cannot create the tier root: {exc.strerror}", exc.filename or root
@@ -994,6 +1015,10 @@ async def _measure_depth(
         ", ".join(f"{d}: {r:.2f}" for d, r in probe.gbps),
     )
     return probe
+
+
+def _undo(root: Path, undo: Undo, created_root: bool) -> None:
+    undo_under_root_lock(root, undo, created_root=created_root)
 
 
 def _close_prepared(prepared: Prepared) -> None:
