@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml setup.py
 # The C extensions (setup.py): pip builds them at install; this rebuilds
 # them in place after an edit of their C sources.
 NATIVE := $(VENV)/.native
-$(NATIVE): $(STAMP) kvtier/manager/_native.c kvtier/transfer/_address.c kvtier/transfer/_copy.c kvtier/transfer/_gather.c kvtier/tiers/file/_blocks.c
+$(NATIVE): $(STAMP) kvtier/manager/_native.c kvtier/transfer/_address.c kvtier/transfer/_copy.c kvtier/transfer/_gather.c kvtier/tiers/_blocks.c
 	@echo "set-up: compiling kvtier's C extensions (setup.py build_ext)"
 	$(PY) setup.py --quiet build_ext --inplace
 	touch $(NATIVE)
@@ -38,6 +38,7 @@ unit: $(NATIVE)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check kvtier tests benchmarks examples
+	$(VENV)/bin/lint-imports
 
 typecheck: $(NATIVE)
 	$(PY) -m mypy

@@ -102,8 +102,9 @@ import xxhash
 
 from kvtier.config import FileTierConfig
 from kvtier.layout import KVLayout, TensorSpec
+from kvtier.tiers import _blocks
 from kvtier.tiers.block_format import HEADER_BYTES
-from kvtier.tiers.file import FileTier, _blocks
+from kvtier.tiers.file import FileTier
 from kvtier.transfer._ring import SPLIT_MIN
 from kvtier.transfer.io_engine import DEEP_DEPTH, open_io_engine, probe_depths, probe_io_uring
 

@@ -125,7 +125,7 @@ def lean_loop(
     namespace; the blocks stay resident (the plan that named their slots is
     completed at once).
     """
-    from kvtier.tiers.file._blocks import verify_reaped
+    from kvtier.tiers._blocks import verify_reaped
     from kvtier.transfer._ring import OP_READV, Ring
 
     n, bs = len(keys), rows[0].nbytes

@@ -68,8 +68,8 @@ EXTENSIONS: tuple[Extension, ...] = (
         "torch indexing kernels: about 1.5 ms of Python per round, with a GPU only",
     ),
     Extension(
-        "kvtier.tiers.file._blocks",
-        "the file tier's block headers and XXH3 checksums",
+        "kvtier.tiers._blocks",
+        "the tiers' block headers and XXH3 checksums",
         "Python struct packing and the xxhash module: more CPU per block than its read",
     ),
 )

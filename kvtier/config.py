@@ -24,7 +24,7 @@ import typing
 from collections.abc import Mapping
 from fractions import Fraction
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -39,12 +39,6 @@ from pydantic import (
 )
 
 from kvtier.errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from kvtier.layout import KVLayout
-    from kvtier.region import CPURegion
-    from kvtier.tiers.base import Tier
-    from kvtier.transfer.io_engine import IOEngine
 
 __all__ = [
     "ClusterMode",
@@ -339,21 +333,6 @@ class FileTierConfig(_Frozen):
         """The highest lower tier: nothing above it to promote into."""
         return False
 
-    async def open_below(
-        self,
-        layout: KVLayout,
-        region: CPURegion,
-        *,
-        io_engine: IOEngine | None = None,
-        enable_events: bool = False,
-    ) -> Tier:
-        """Open this file tier for ``region``'s rows, the region registered with it."""
-        from kvtier.engine import open_file_tier_below
-
-        return await open_file_tier_below(
-            self, layout, region, io_engine=io_engine, enable_events=enable_events
-        )
-
 
 ClusterMode = Literal["cluster", "single"]
 
@@ -471,19 +450,6 @@ class ClusterTierConfig(_Frozen):
     def promotes_up(self) -> bool:
         """Whether a block promoted from the cluster also goes to the tiers above it."""
         return self.promote_to_file is not False
-
-    async def open_below(
-        self,
-        layout: KVLayout,
-        region: CPURegion,
-        *,
-        io_engine: IOEngine | None = None,
-        enable_events: bool = False,
-    ) -> Tier:
-        """Open the cluster tier for blocks of ``region``'s rows (no events, no I/O engine)."""
-        from kvtier.tiers.cluster import ClusterTier
-
-        return await ClusterTier.open(self, layout, block_bytes=region.row_stride)
 
     def addresses(self) -> list[tuple[str, int]]:
         """``(host, port)`` of every node in :attr:`nodes`."""

@@ -38,7 +38,7 @@ from kvtier.chain import (
     Write,
     Written,
 )
-from kvtier.config import FileTierConfig, KVTierConfig
+from kvtier.config import KVTierConfig
 from kvtier.errors import (
     BlockNotFoundError,
     ClosedError,
@@ -54,7 +54,8 @@ from kvtier.region import CPURegion
 from kvtier.tier_driver import TierDriver
 from kvtier.tiers.base import Recovers, Refreshable, Tier, TierStatistics, Watched
 from kvtier.tiers.cluster import ClusterTierStatistics
-from kvtier.tiers.file import FileTier, FileTierStatistics
+from kvtier.tiers.factory import aclose_tiers, open_tiers
+from kvtier.tiers.file import FileTierStatistics
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.device import (
     DeviceTransfer,
@@ -637,7 +638,7 @@ class Engine:
             )
             if wrap_transfer is not None:
                 transfer = wrap_transfer(transfer)
-            tiers = await _open_chain(config, layout, region, io_engine)
+            tiers = await open_tiers(config, layout, region, io_engine=io_engine)
         except BaseException:
             if transfer is not None:
                 await transfer.aclose()
@@ -695,7 +696,7 @@ class Engine:
             await workers.start(layout, region, budget, float(worker_timeout))
             if wrap_transfer is not None:
                 transfer = wrap_transfer(transfer)
-            tiers = await _open_chain(config, layout, region, io_engine)
+            tiers = await open_tiers(config, layout, region, io_engine=io_engine)
         except BaseException:
             await transfer.aclose()
             region.close()
@@ -774,8 +775,8 @@ class Engine:
             # The copier and the ring wait for what they handed to hardware, so the
             # region is unmapped only after nothing can touch it any more.
             await self._xfer.aclose()
-            for link in self._links:
-                await _aclose_quietly(link)
+            links = self._links
+            await aclose_tiers([link.tier for link in links], [link.name for link in links])
         finally:
             self._region.close()
 
@@ -1453,55 +1454,6 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("the engine is closed")
-
-
-async def _open_chain(
-    config: KVTierConfig, layout: KVLayout, region: CPURegion, io_engine: IOEngine | None
-) -> list[Tier]:
-    """Open the tiers of ``config.chain`` in order; on failure close those opened."""
-    tiers: list[Tier] = []
-    try:
-        for _name, spec in config.chain:
-            tiers.append(await spec.open_below(layout, region, io_engine=io_engine))
-    except BaseException:
-        for tier in reversed(tiers):
-            await tier.aclose()
-        raise
-    return tiers
-
-
-async def open_file_tier_below(
-    config: FileTierConfig,
-    layout: KVLayout,
-    region: CPURegion,
-    *,
-    io_engine: IOEngine | None = None,
-    enable_events: bool = False,
-) -> FileTier:
-    """Open a file tier for blocks of ``region``'s rows and register the region with it.
-
-    Blocks move between the region and the file: with the region registered,
-    the kernel pins no pages per request (where it refuses, the I/O goes as
-    before; see :meth:`FileTier.register_memory`).
-    """
-    tier = await FileTier.open(
-        config,
-        layout,
-        block_bytes=region.row_stride,
-        alignment=min(region.alignment, config.buffer_alignment),
-        io_engine=io_engine,
-        enable_events=enable_events,
-    )
-    tier.register_memory([region.buffer()])
-    return tier
-
-
-async def _aclose_quietly(link: _Link) -> None:
-    """Close one tier; a failure is logged, so the others and the region still close."""
-    try:
-        await link.tier.aclose()
-    except Exception:
-        log.exception("closing the %s tier failed", link.name)
 
 
 def _check_chunking(config: KVTierConfig, layout: KVLayout) -> None:

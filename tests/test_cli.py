@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from kvtier._text import human_bytes, plural
 from kvtier.cli import main
 from kvtier.cli._inspect import inspect_root
-from kvtier.cli._text import human_bytes, plural
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.tiers.block_format import HEADER_BYTES, BlockHeader, checksum, encode_header
 
@@ -454,7 +454,7 @@ EXTENSIONS = (
     "kvtier.transfer._address",
     "kvtier.transfer._copy",
     "kvtier.transfer._gather",
-    "kvtier.tiers.file._blocks",
+    "kvtier.tiers._blocks",
 )
 
 

@@ -91,7 +91,7 @@ def test_version_names_the_missing_part_and_its_fallback() -> None:
 
 
 def test_bench_warns_at_start_and_says_what_ran(tmp_path: Path) -> None:
-    module = "kvtier.tiers.file._blocks"
+    module = "kvtier.tiers._blocks"
     argv = ["bench", "--block-size", "64KiB", "--queue-depth", "2", "--total", "1MiB"]
     done = _blocked(module, CLI, *argv, "--repeat", "1", "--no-fio", "--dir", str(tmp_path))
     assert done.returncode == 0, done.stderr

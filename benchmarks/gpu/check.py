@@ -150,7 +150,7 @@ def check_env(rep: Report) -> bool:
         "kvtier.transfer._address",
         "kvtier.transfer._copy",
         "kvtier.transfer._gather",
-        "kvtier.tiers.file._blocks",
+        "kvtier.tiers._blocks",
     ):
         try:
             importlib.import_module(name)

@@ -34,7 +34,7 @@ build_direct() {
     mkdir -p "$root/kvtier/manager" "$root/kvtier/transfer" "$root/kvtier/tiers"
     local xxh=() def=()
     if [ "$(uname -m)" = x86_64 ]; then
-        xxh=(kvtier/tiers/file/_xxhash/xxh_x86dispatch.c); def=(-DKVTIER_XXH_DISPATCH=1)
+        xxh=(kvtier/tiers/_xxhash/xxh_x86dispatch.c); def=(-DKVTIER_XXH_DISPATCH=1)
     fi
     gcc "${flags[@]}" -std=c11 -I"$inc" kvtier/manager/_native.c \
         -o "$root/kvtier/manager/_native$suffix" || ok=1
@@ -44,8 +44,8 @@ build_direct() {
         -o "$root/kvtier/transfer/_copy$suffix" || ok=1
     gcc "${flags[@]}" -std=gnu11 -I"$inc" kvtier/transfer/_gather.c -ldl \
         -o "$root/kvtier/transfer/_gather$suffix" || ok=1
-    gcc "${flags[@]}" -std=c11 "${def[@]}" -I"$inc" kvtier/tiers/file/_blocks.c "${xxh[@]}" \
-        -o "$root/kvtier/tiers/file/_blocks$suffix" || ok=1
+    gcc "${flags[@]}" -std=c11 "${def[@]}" -I"$inc" kvtier/tiers/_blocks.c "${xxh[@]}" \
+        -o "$root/kvtier/tiers/_blocks$suffix" || ok=1
     return $ok
 }
 
@@ -58,7 +58,7 @@ if [ "${1:-}" = --prebuild ]; then
 fi
 
 compiled_ok() {
-    "$PY" -c 'import kvtier.manager._native, kvtier.transfer._address, kvtier.transfer._copy, kvtier.transfer._gather, kvtier.tiers.file._blocks' 2>/dev/null
+    "$PY" -c 'import kvtier.manager._native, kvtier.transfer._address, kvtier.transfer._copy, kvtier.transfer._gather, kvtier.tiers._blocks' 2>/dev/null
 }
 
 echo "== what is here =="

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvtier.cli._text import fit_table, human_bytes, make_console, plural
+from kvtier._text import fit_table, human_bytes, make_console, plural
 from kvtier.errors import InvalidArgumentError, KVTierError
 
 if TYPE_CHECKING:

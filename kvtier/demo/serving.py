@@ -39,8 +39,8 @@ import torch
 
 from kvtier.config import FileTierConfig, KVTierConfig
 from kvtier.demo.check import BlockLedger, Verdict, block_digest, judge
+from kvtier.demo.figures import TierFigures, read_statistics
 from kvtier.demo.model import TILE, DemoModel, Generation, ModelConfig
-from kvtier.demo.report import TierFigures, read_statistics
 from kvtier.demo.workload import (
     Conversation,
     WorkloadSettings,

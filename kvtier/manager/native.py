@@ -36,13 +36,15 @@ __all__ = ["NativePolicy", "NativeResidencyManager", "native_available", "native
 
 _log = logging.getLogger(__name__)
 
+_Core: type[Core] | None
 try:
-    from kvtier.manager import _native
+    from kvtier.manager._native import Core as _Core
+    from kvtier.manager._native import set_errors
 except ImportError as exc:  # not built (no compiler at install): the Python manager serves
-    _native = None  # type: ignore[assignment]
+    _Core = None
     _IMPORT_ERROR: str | None = str(exc)
 else:
-    _native.set_errors(InvalidArgumentError, ProtocolError, BlockNotFoundError, BusyError)
+    set_errors(InvalidArgumentError, ProtocolError, BlockNotFoundError, BusyError)
     _IMPORT_ERROR = None
 
 _EMPTY_PLAN = StorePlan((), (), (), ())
@@ -50,7 +52,7 @@ _EMPTY_PLAN = StorePlan((), (), (), ())
 
 def native_available() -> bool:
     """Whether the compiled core imported (it is built with the package)."""
-    return _native is not None
+    return _Core is not None
 
 
 def native_wanted(policy: object, native: bool | None) -> bool:
@@ -64,7 +66,7 @@ def native_wanted(policy: object, native: bool | None) -> bool:
     """
     builtin = isinstance(policy, str) and policy in ("lru", "arc")
     if native is None:
-        return builtin and _native is not None and os.environ.get("KVTIER_MANAGER") != "python"
+        return builtin and _Core is not None and os.environ.get("KVTIER_MANAGER") != "python"
     if native is not True and native is not False:
         raise InvalidArgumentError(f"native must be None, True or False, got {native!r}")
     if not native:
@@ -73,7 +75,7 @@ def native_wanted(policy: object, native: bool | None) -> bool:
         raise InvalidArgumentError(
             f"native=True runs the built-in policies 'lru' and 'arc' only, got {policy!r}"
         )
-    if _native is None:
+    if _Core is None:
         raise InvalidArgumentError(f"native=True but the compiled core is missing: {_IMPORT_ERROR}")
     return True
 
@@ -164,12 +166,12 @@ class NativeResidencyManager(ResidencyManager):
         native: bool | None = None,
     ) -> None:
         check_construction(capacity_slots, tier)
-        if policy not in ("lru", "arc") or _native is None:
+        if policy not in ("lru", "arc") or _Core is None:
             raise InvalidArgumentError(f"the native manager runs 'lru' or 'arc', got {policy!r}")
         self._capacity = capacity_slots
         self._tier = tier
         self._events: list[ManagerEvent] | None = [] if enable_events else None
-        self._core = _native.Core(capacity_slots, policy == "arc")
+        self._core = _Core(capacity_slots, policy == "arc")
         self._view = NativePolicy(self._core, policy)
 
     # -- read-only views -----------------------------------------------------------------

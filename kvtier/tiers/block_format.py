@@ -26,12 +26,11 @@ payload that fails its checksum; a header of 4096 zero bytes marks a free
 slot. "Stored at" (formerly reserved, so version 1 still reads it) orders the
 blocks found at open by age.
 
-The file tier's per-block path (:func:`checksum`, :func:`checksums`,
-:data:`seal_header`, :data:`verify_block`, and :data:`seal_headers`,
-:data:`verify_reaped` for a run of blocks in one call) runs in the compiled
-helper ``kvtier/tiers/file/_blocks.c`` when it is built, and in the pure Python
-below otherwise; both write and accept exactly the same bytes (a test
-compares them).
+The per-block path (:func:`checksum`, :func:`checksums`, :data:`seal_header`,
+:data:`verify_block`, and :data:`seal_headers`, :data:`verify_reaped` for a run
+of blocks in one call) runs in the compiled helper ``kvtier/tiers/_blocks.c``
+beside this module when it is built, and in the pure Python below otherwise;
+both write and accept exactly the same bytes (a test compares them).
 """
 
 from __future__ import annotations
@@ -329,7 +328,7 @@ that failed (an empty list when all are sound). One call per run of reads
 reaped, with the engine's outcomes as they came."""
 
 try:
-    from kvtier.tiers.file import _blocks
+    from kvtier.tiers import _blocks
 except ImportError:  # not built (no C compiler at install): the Python above
     pass
 else:

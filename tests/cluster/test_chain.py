@@ -23,11 +23,11 @@ import pytest
 from kvtier.chain import Answer, Chain, LowerTier, Outcome, Write
 from kvtier.config import ClusterTierConfig, FileTierConfig
 from kvtier.layout import KVLayout, TensorSpec
-from kvtier.manager import ResidencyManager
 from kvtier.region import CPURegion
 from kvtier.testing.valkey import ValkeyCluster
 from kvtier.tier_driver import TierDriver
 from kvtier.tiers.base import Tier
+from kvtier.tiers.factory import open_tier
 
 ROW = 4096
 ROWS = 4
@@ -110,19 +110,17 @@ async def instance(
     specs: list[LowerTier] = []
     if tmp_path is not None:
         cfg = FileTierConfig(root=tmp_path, bytes_to_use="4MiB", queue_depth=4)
-        tiers.append(await cfg.open_below(lay, region))
+        tiers.append(await open_tier(cfg, lay, region))
         specs.append(LowerTier("file", write_back=write_back))
     if cluster is not None:
         ccfg = ClusterTierConfig(
             nodes=tuple(f"{h}:{p}" for h, p in cluster.startup), tenant_prefix="chain"
         )
-        tiers.append(await ccfg.open_below(lay, region))
+        tiers.append(await open_tier(ccfg, lay, region))
         specs.append(LowerTier("cluster", shared=True, promote_up=bool(specs)))
     now = [0.0]
     clock: Callable[[], float] = lambda: now[0]  # noqa: E731 - the test moves time
-    chain = Chain(
-        ResidencyManager(region.rows, "lru"), specs, lookup_deadline_s=deadline, clock=clock
-    )
+    chain = Chain(region.rows, specs, lookup_deadline_s=deadline, clock=clock)
     outcomes: list[Outcome] = []
     driver = TierDriver(tiers, [s.name for s in specs], region, outcomes.append)
     inst = Instance(region, chain, driver, tiers, now, outcomes)
@@ -299,7 +297,7 @@ async def test_a_read_into_a_row_being_written_back_waits_for_it(tmp_path: Path)
         await a.step()
         await a.store(ks[:3])  # the CPU tier full: x (oldest), then three dirty blocks
         await a.store(ks[3:4])  # evicts x, which the file tier holds: nothing to write
-        assert x not in a.chain.cpu
+        assert x not in a.chain
         assert a.chain.lower_of(x) == 0
         # Promoting x evicts the least recently used dirty block: its row is
         # written back first, and the read into that row is held until then.

@@ -46,7 +46,7 @@ def test_native_must_be_a_bool_or_none(native: object) -> None:
 
 
 def test_without_the_core_python_serves(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native_module, "_native", None)
+    monkeypatch.setattr(native_module, "_Core", None)
     monkeypatch.setattr(native_module, "_IMPORT_ERROR", "no module named _native")
     assert not native_available()
     m = ResidencyManager(8, "lru")

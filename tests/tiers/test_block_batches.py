@@ -17,7 +17,7 @@ from kvtier.tiers.block_format import (
     checksums,
 )
 
-_blocks = pytest.importorskip("kvtier.tiers.file._blocks", reason="the C helper is not built")
+_blocks = pytest.importorskip("kvtier.tiers._blocks", reason="the C helper is not built")
 
 NS = bytes(range(16, 32))
 N, PAYLOAD = 6, 8192

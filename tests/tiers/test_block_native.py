@@ -1,4 +1,4 @@
-"""The compiled block helper (kvtier/tiers/file/_blocks.c) against the pure-Python format.
+"""The compiled block helper (kvtier/tiers/_blocks.c) against the pure-Python format.
 
 Both paths of :mod:`kvtier.tiers.block_format` must write and accept exactly the
 same bytes: a tier written by one is read by the other (an install without a
@@ -25,7 +25,7 @@ from kvtier.tiers.block_format import (
     VERIFY_SIZE,
 )
 
-_blocks = pytest.importorskip("kvtier.tiers.file._blocks", reason="the C helper is not built")
+_blocks = pytest.importorskip("kvtier.tiers._blocks", reason="the C helper is not built")
 
 KEY, NS = bytes(range(16)), bytes(range(16, 32))
 

@@ -69,6 +69,7 @@ from kvtier.metrics import (
 from kvtier.region import CPURegion
 from kvtier.tier_driver import TierDriver
 from kvtier.tiers.base import Announces, Recovers, Tier, Watched
+from kvtier.tiers.factory import aclose_tiers, open_tiers
 
 __all__ = [
     "CONFIG_INFO_KEYS",
@@ -215,20 +216,22 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             Record KV cache events for :meth:`take_events` (vLLM's
             ``enable_kv_cache_events``).
         """
+        config = settings.config
         loop: _LoopThread | None = None
         tiers: list[Tier] = []
         try:
             loop = _LoopThread("kvtier-vllm-scheduler")
-            for _name, spec in settings.config.chain:
-                tiers.append(loop.run(spec.open_below(layout, region, enable_events=enable_events)))
+            # The tiers run on the loop thread; a tier that fails to open closes
+            # those opened before it.
+            tiers = loop.run(open_tiers(config, layout, region, enable_events=enable_events))
             log.info(
                 "kvtier: CPU tier of %d rows of %d bytes (cpu_bytes_to_use=%d)",
                 region.rows,
                 region.row_stride,
-                int(settings.config.cpu_bytes_to_use),
+                int(config.cpu_bytes_to_use),
             )
             records = loop.run(_statistics(tiers))
-            for (name, _spec), record in zip(settings.config.chain, records, strict=True):
+            for (name, _spec), record in zip(config.chain, records, strict=True):
                 log.info("kvtier: %s tier: %s", name, _describe(record))
             return cls(settings, layout, region, loop, tiers, enable_events=enable_events)
         except BaseException:
@@ -237,9 +240,10 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             # /dev/shm file goes when no other process holds it).
             try:
                 if loop is not None:
-                    for tier in reversed(tiers):
-                        with contextlib.suppress(Exception):
-                            loop.run(tier.aclose(), timeout=60.0)
+                    if tiers:  # all open; a record or the constructor failed
+                        names = [name for name, _spec in config.chain]
+                        with contextlib.suppress(Exception):  # each failure is logged
+                            loop.run(aclose_tiers(tiers, names), timeout=60.0 * len(tiers))
                     loop.stop()
             finally:
                 region.close()

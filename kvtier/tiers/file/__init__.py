@@ -8,12 +8,11 @@ Its parts, each a module of this package:
 * ``_root``, ``_namespace``, ``_description``: the root's budget and lock, the
   namespaces under it and their ``namespace.json``;
 * ``_slots``, ``_pipeline``, ``_worker``: the slot file and the I/O on it;
-* ``_recovery``, ``_quarantine``: finding blocks again at open, damaged blocks;
-* ``_blocks`` (C, with the vendored ``_xxhash``): slot headers and XXH3 checksums
-  in bulk.
+* ``_recovery``, ``_quarantine``: finding blocks again at open, damaged blocks.
 
 The header every block carries is :mod:`kvtier.tiers.block_format`, shared with
-the cluster tier.
+the cluster tier (its compiled helper, ``kvtier.tiers._blocks``, seals and checks
+slot headers and XXH3 checksums in bulk).
 """
 
 from __future__ import annotations

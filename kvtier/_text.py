@@ -1,4 +1,4 @@
-"""Text helpers of the ``kvtier`` command: widths, sizes, plurals, tables that fit.
+"""Text helpers of the ``kvtier`` command and the demo: widths, sizes, plurals, fitting tables.
 
 A table that does not fit the terminal is printed as one block per row, its
 cells as ``name: value`` pairs, so that no cell is ever cut (a namespace is 64

@@ -1,6 +1,7 @@
 /*
- * kvtier.tiers.file._blocks: the per-block work of the file tier in C: XXH3 of
- * payloads, and a block header sealed or checked in one call.
+ * kvtier.tiers._blocks: the per-block work of kvtier.tiers.block_format in C (the
+ * file tier's slots, the cluster tier's values): XXH3 of payloads, and a block
+ * header sealed or checked in one call.
  *
  * Why C: at 64 KiB a block, the Python of one header (struct packing, a
  * padding copy, two XXH3 calls through the xxhash module, the field checks)
@@ -361,7 +362,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "kvtier.tiers.file._blocks",
+    .m_name = "kvtier.tiers._blocks",
     .m_doc = "Block headers and payload checksums of the file tier (see kvtier.tiers.block_format).",
     .m_size = -1,
     .m_methods = methods,
