@@ -390,6 +390,8 @@ class Server:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log
+        self.cwd = root.parent
+        """Not the repository's root: ``python -m`` puts the cwd first on ``sys.path``."""
         args = [
             sys.executable,
             "-m",
@@ -443,6 +445,7 @@ class Server:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                cwd=self.cwd,
             )
         deadline = time.monotonic() + START_S
         while True:
