@@ -43,7 +43,9 @@ Both fronts drive it. The :class:`~kvtier.engine.Engine` owns it on its
 event loop, with the tiers on the same loop, and turns intents into
 awaitables; the vLLM front (:mod:`kvtier.integrations.vllm`) drives it from
 vLLM's scheduler thread, with the tiers on kvtier's loop thread. Either way
-a :class:`~kvtier.tier_driver.TierDriver` carries the intents out.
+the front runtime (:class:`~kvtier.runtime.Runtime`) carries the intents
+out and settles their outcomes; each intent carries a sequence number
+(``seq``), and its outcome names the intent.
 """
 
 from __future__ import annotations
@@ -51,10 +53,10 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from kvtier.manager import ResidencyManager, StorePlan
+from kvtier.manager import ManagerEvent, ManagerStatistics, ResidencyManager, StorePlan
 
 __all__ = [
     "Answer",
@@ -122,6 +124,9 @@ class Write:
     """A write-back of blocks the CPU tier just evicted: their rows already
     belong to the blocks placed in them, which must not be copied in until
     this write ends (:meth:`Chain.evicting_writes`); no pin is held."""
+    seq: int = 0
+    """The chain's number for this intent (unique per chain): its outcome names
+    the intent, and a front matches the two by this number."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +136,8 @@ class Read:
     tier: int
     keys: tuple[bytes, ...]
     slots: tuple[int, ...]
+    seq: int = 0
+    """As :attr:`Write.seq`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +146,8 @@ class Probe:
 
     tier: int
     keys: tuple[bytes, ...]
+    seq: int = 0
+    """As :attr:`Write.seq`."""
 
 
 Intent = Write | Read | Probe
@@ -196,7 +205,9 @@ class TierCounts:
     """What the chain counted for one tier (names as in :class:`ChainStatistics`)."""
 
     lookup_hits: int = 0
-    """Lookups answered from this tier (CPU: HIT; lower: its read succeeded)."""
+    """Keys a lookup got from this tier: the CPU tier's HITs (and, for
+    :meth:`Chain.prefix`, its blocks in flight); a lower tier's blocks read for a
+    :meth:`Chain.lookup`, or credited to it by :meth:`Chain.prefix`."""
     blocks_in: int = 0
     """Blocks written into it (CPU: from the device; lower: writes and promotions up)."""
     blocks_out: int = 0
@@ -294,8 +305,9 @@ class Chain:
 
     Parameters
     ----------
-    cpu
-        The CPU region's residency (one slot per row).
+    rows
+        The CPU region's rows: the CPU tier's residency (one slot per row) is
+        the chain's own, made here, and only the chain changes it.
     lower
         The tiers below it, highest first.
     lookup_deadline_s
@@ -306,6 +318,10 @@ class Chain:
         again (another instance may have stored the block since).
     known_limit
         Keys remembered per shared tier (the oldest are forgotten).
+    policy
+        The CPU tier's eviction policy (``"lru"``, ``"arc"``).
+    enable_events
+        Record the CPU tier's residency events (:meth:`take_cpu_events`).
     clock
         Monotonic seconds (tests pass their own).
 
@@ -317,15 +333,17 @@ class Chain:
 
     def __init__(
         self,
-        cpu: ResidencyManager,
+        rows: int,
         lower: Sequence[LowerTier],
         *,
         lookup_deadline_s: float = 2.0,
         probe_ttl_s: float = 1.0,
         known_limit: int = 1 << 20,
+        policy: str = "lru",
+        enable_events: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.cpu = cpu
+        self._cpu = cpu = ResidencyManager(rows, policy, tier="cpu", enable_events=enable_events)
         self._lower = [_Lower(spec) for spec in lower]
         self._deadline = lookup_deadline_s
         self._probe_ttl = probe_ttl_s
@@ -341,10 +359,13 @@ class Chain:
         """CPU rows whose evicted block is being written back, and that write."""
         self._deferred: list[Read] = []
         """Reads into rows whose evicted block is still being written back."""
-        self._rows = cpu.statistics().capacity
+        self._rows = cpu.capacity
         self._requests: dict[object, _Request] = {}
         """Requests looking up, least recently active first."""
         self._forget_after = max(60.0, 10 * lookup_deadline_s)
+        self._seq = 0
+        self._lookup_reads: set[int] = set()
+        """Reads that :meth:`lookup` started (vLLM's): a block they deliver is a lookup hit."""
         self._lookups = 0
         self._refusals = 0
         self._late = 0
@@ -405,7 +426,7 @@ class Chain:
             return Answer.MISS
         answer = self._lookup(key)
         if answer is Answer.HIT:
-            self.cpu.touch((key,))
+            self._cpu.touch((key,))
         elif answer is not Answer.MISS:
             if req.since is None:
                 req.since = now
@@ -441,7 +462,7 @@ class Chain:
 
     def _lookup(self, key: bytes) -> Answer:
         self._lookups += 1
-        cpu = self.cpu
+        cpu = self._cpu
         if cpu.lookup((key,)):
             self._cpu_counts.lookup_hits += 1
             self._waiting.pop(key, None)
@@ -479,22 +500,23 @@ class Chain:
 
         ``keys`` are not in the CPU tier (both fronts leave those out before
         they call, so it is not looked at again here); refused keys are counted.
-        Ready blocks of ``keep`` are not evicted to make room (without a tier
-        below, a request must not evict its own prefix for its tail). The
-        rows of blocks it evicts that a write-back tier still lacks are not
-        free until :meth:`evicting_writes` of the plan end.
+        Unless a lower tier takes what the CPU tier evicts (:attr:`streams`),
+        ready blocks of ``keep`` are not evicted to make room: a request must
+        not evict its own prefix for its tail when an evicted block is gone.
+        The rows of blocks it evicts that a write-back tier still lacks are
+        not free until :meth:`evicting_writes` of the plan end.
         """
         todo = list(keys)
         if not todo:
             return None
-        held = [k for k in keep if self.cpu.is_ready(k)]
+        held = [k for k in keep if self._cpu.is_ready(k)] if keep and not self.streams else []
         if held:
-            held = list(self.cpu.prepare_load(held).keys)  # shielded from eviction meanwhile
+            held = list(self._cpu.prepare_load(held).keys)  # shielded from eviction meanwhile
         try:
             plan = self._place(todo)
         finally:
             if held:
-                self.cpu.complete_load(held)
+                self._cpu.complete_load(held)
         placed = 0 if plan is None else len(plan.keys)
         self._refusals += len(todo) - placed
         return plan
@@ -507,7 +529,7 @@ class Chain:
         """
         if not keys:
             return
-        self.cpu.complete_store(keys, ok)
+        self._cpu.complete_store(keys, ok)
         if ok:
             self._cpu_counts.blocks_in += len(keys)
             if write_down:
@@ -515,19 +537,111 @@ class Chain:
 
     def pin_for_device_load(self, keys: Sequence[bytes]) -> tuple[int, ...]:
         """Pin ready blocks for a copy to the device; their rows."""
-        plan = self.cpu.prepare_load(keys)
+        plan = self._cpu.prepare_load(keys)
         self._cpu_counts.blocks_out += len(keys)
         return plan.slots
 
     def unpin_device_load(self, keys: Sequence[bytes]) -> None:
         """The copy to the device of ``keys`` ended."""
-        self.cpu.complete_load(keys)
+        self._cpu.complete_load(keys)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark ready CPU blocks recently used."""
-        ready = [k for k in keys if self.cpu.is_ready(k)]
-        if ready:
-            self.cpu.touch(ready)
+        self._cpu.touch(keys)  # keys not ready there are left alone
+
+    # -- the CPU tier, as the fronts see it -----------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Rows of the CPU tier."""
+        return self._rows
+
+    @property
+    def streams(self) -> bool:
+        """A lower tier takes what the CPU tier evicts now (one takes stores and is
+        not recovering): a store larger than the CPU tier can stream through it."""
+        return any(t.spec.takes_stores and not t.recovering for t in self._lower)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` holds a CPU row, in any state (being written included)."""
+        return key in self._cpu
+
+    def is_ready(self, key: bytes) -> bool:
+        """Whether ``key`` is ready in a CPU row (loadable now)."""
+        return self._cpu.is_ready(key)
+
+    def pins(self, key: bytes) -> int:
+        """How many loads and writes hold ``key``'s CPU row now."""
+        return self._cpu.pins(key)
+
+    def room(self) -> int:
+        """How many new blocks the CPU tier takes now (free or evictable rows)."""
+        st = self._cpu.statistics()
+        return st.capacity - st.used + st.evictable
+
+    def cpu_statistics(self) -> ManagerStatistics:
+        """The CPU tier's residency: rows used, ready, pinned, evictable; evictions."""
+        return self._cpu.statistics()
+
+    def take_cpu_events(self) -> list[ManagerEvent]:
+        """The CPU tier's residency events since the last call (``enable_events``)."""
+        return self._cpu.take_events()
+
+    def remove(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Forget CPU blocks known to be bad (or a cache reset); those it forgot."""
+        return self._cpu.remove(keys)
+
+    def reset(self) -> None:
+        """Forget every block of the CPU tier (vLLM's ``reset_cache``)."""
+        self._cpu.reset()
+
+    def prefix(self, keys: Sequence[bytes], in_flight: Container[bytes] = ()) -> int:
+        """Length of the longest prefix of ``keys`` that some tier can serve; counted.
+
+        A key counts for the CPU tier when it is ready there or in
+        ``in_flight`` (a front's own stores and promotions: a load of it waits
+        for them), else for the highest lower tier known to hold it. The
+        prefix is marked recently used (its first key the last to go). For a
+        front that loads a whole prefix itself (the Engine); vLLM's asks
+        :meth:`lookup` key by key.
+        """
+        cpu = self._cpu
+        n = cpu.lookup(keys)
+        self._lookups += len(keys)
+        in_cpu = n
+        lower = self._lower
+        for key in keys[n:] if n < len(keys) else ():
+            if key in in_flight or cpu.is_ready(key):
+                in_cpu += 1
+            else:
+                for tier in lower:
+                    if key in tier.known:
+                        tier.counts.lookup_hits += 1
+                        break
+                else:
+                    break
+            n += 1
+        self._cpu_counts.lookup_hits += in_cpu
+        if n:
+            cpu.touch(keys[:n])
+        return n
+
+    def known(
+        self, keys: Sequence[bytes], start: int, above: int, in_flight: Container[bytes] = ()
+    ) -> int:
+        """Past ``start``, the prefix of ``keys`` in ``in_flight``, ready in the CPU
+        tier, or known to a lower tier above ``above`` (no side effect)."""
+        n = start
+        cpu = self._cpu
+        for key in keys[start:]:
+            if not (
+                key in in_flight
+                or cpu.is_ready(key)
+                or ((tier := self.lower_of(key)) is not None and tier < above)
+            ):
+                break
+            n += 1
+        return n
 
     def lower_of(self, key: bytes) -> int | None:
         """The highest lower tier known to hold ``key``, or None (no side effect)."""
@@ -537,15 +651,24 @@ class Chain:
         return None
 
     def promote(self, keys: Sequence[bytes]) -> list[Read]:
-        """Reserve CPU rows for the leading ``keys`` that fit and read them from the
+        """Reserve CPU rows for a window of the leading ``keys`` and read them from the
         lower tiers that hold them; the reads, one per tier (each settles with its
         :class:`ReadDone`; one may wait for a write-back of its rows first).
 
-        Keys in the CPU tier already, or in no lower tier, are left out. With
-        ``promote_up``, what arrives also goes to the tiers above its own.
+        The window is every key when the free or evictable rows take them all;
+        past that, at most half the CPU tier, so that one window is read while
+        the one before is copied to the device (a load streams through the
+        rows); none when no row is free. Keys in the CPU tier already, or in
+        no lower tier, are left out. With ``promote_up``, what arrives also
+        goes to the tiers above its own.
         """
-        todo = [k for k in keys if k not in self.cpu and self.lower_of(k) is not None]
-        plan = self._place(todo) if todo else None
+        todo = [k for k in keys if k not in self._cpu and self.lower_of(k) is not None]
+        room = self.room() if todo else 0
+        if not room:
+            return []
+        if len(todo) > room:
+            todo = todo[: min(room, max(1, self._rows // 2))]
+        plan = self._place(todo)
         if plan is None:
             return []
         by_tier: dict[int, list[tuple[bytes, int]]] = {}
@@ -556,7 +679,7 @@ class Chain:
         reads = []
         for i in sorted(by_tier):
             pairs = by_tier[i]
-            read = Read(i, tuple(k for k, _s in pairs), tuple(s for _k, s in pairs))
+            read = Read(i, tuple(k for k, _s in pairs), tuple(s for _k, s in pairs), self._next())
             self._read(read)
             reads.append(read)
         return reads
@@ -569,7 +692,7 @@ class Chain:
         for slot in plan.slots:
             w = self._evicting.get(slot)
             if w is not None:
-                out[id(w)] = w
+                out[w.seq] = w
         return tuple(out.values())
 
     def write_back(self) -> int:
@@ -579,7 +702,7 @@ class Chain:
             self._release_held(tier)
             if not tier.dirty:
                 continue
-            ready = [k for k in tier.dirty if self.cpu.is_ready(k) and k not in tier.known]
+            ready = [k for k in tier.dirty if self._cpu.is_ready(k) and k not in tier.known]
             tier.dirty.clear()
             if ready:
                 tier.counts.write_backs += len(ready)
@@ -589,7 +712,7 @@ class Chain:
 
     def abandon(self) -> int:
         """Forget what write-back tiers were still to be given (a close's timeout); how many."""
-        left = {k for t in self._lower for k in t.dirty if self.cpu.is_ready(k)}
+        left = {k for t in self._lower for k in t.dirty if self._cpu.is_ready(k)}
         for t in self._lower:
             self._release_held(t)
             t.dirty.clear()
@@ -609,7 +732,7 @@ class Chain:
     def probe(self, index: int, keys: Sequence[bytes]) -> Probe:
         """Ask lower tier ``index`` which of ``keys`` it holds: the :class:`Probe` queued."""
         self._lower[index].counts.probes += len(keys)
-        probe = Probe(index, tuple(keys))
+        probe = Probe(index, tuple(keys), self._next())
         self._intents.append(probe)
         return probe
 
@@ -643,7 +766,7 @@ class Chain:
             for k in keys:
                 if (w := self._waiting.get(k)) is not None:
                     w.issued = True
-            self._intents.append(Probe(i, tuple(keys)))
+            self._intents.append(Probe(i, tuple(keys), self._next()))
         self._to_probe.clear()
         out, self._intents = self._intents, []
         return out
@@ -698,10 +821,9 @@ class Chain:
     # -- inside --------------------------------------------------------------------------
 
     def _place(self, keys: list[bytes]) -> StorePlan | None:
-        st = self.cpu.statistics()
-        n = min(len(keys), st.capacity - st.used + st.evictable)
+        n = min(len(keys), self.room())
         while n:
-            plan = self.cpu.prepare_store(keys[:n])
+            plan = self._cpu.prepare_store(keys[:n])
             if plan is not None:
                 if plan.evicted:
                     self._evicted(plan)
@@ -725,7 +847,13 @@ class Chain:
             if not victims:
                 continue
             tier.counts.write_backs += len(victims)
-            w = Write(i, tuple(victims), tuple(slot_of[k] for k in victims), evicting=True)
+            w = Write(
+                i,
+                tuple(victims),
+                tuple(slot_of[k] for k in victims),
+                evicting=True,
+                seq=self._next(),
+            )
             self._intents.append(w)
             for slot in w.slots:
                 self._evicting[slot] = w
@@ -735,14 +863,14 @@ class Chain:
         if tier.recovering:
             hold = [k for k in dict.fromkeys(keys) if k not in tier.held]
             if hold:
-                self.cpu.prepare_load(hold)  # a pin against eviction, not a load
+                self._cpu.prepare_load(hold)  # a pin against eviction, not a load
                 tier.held.update(dict.fromkeys(hold))
 
     def _release_held(self, tier: _Lower) -> None:
         if tier.held:
             held = list(tier.held)
             tier.held.clear()
-            self.cpu.complete_load(held)
+            self._cpu.complete_load(held)
 
     def _orphaned(self, index: int, keys: Sequence[bytes]) -> None:
         """A write-back tier dropped ``keys`` (evicted, or a peer's partition went):
@@ -751,10 +879,14 @@ class Chain:
         tier = self._lower[index]
         if not keys or not tier.spec.write_back:
             return
-        is_ready = self.cpu.is_ready
+        is_ready = self._cpu.is_ready
         owed = [k for k in keys if k not in tier.known and k not in tier.dirty and is_ready(k)]
         if owed:
             self._mark_dirty(tier, owed)
+
+    def _next(self) -> int:
+        self._seq += 1
+        return self._seq
 
     def _limit(self, tier: _Lower) -> int:
         # A tier of this instance's own is known exactly; a shared one is bounded.
@@ -764,7 +896,7 @@ class Chain:
         if not self._to_read:
             return
         waiting = self._waiting
-        wanted = [(k, t) for k, t in self._to_read.items() if k not in self.cpu and k in waiting]
+        wanted = [(k, t) for k, t in self._to_read.items() if k not in self._cpu and k in waiting]
         self._to_read.clear()
         plan = self._place([k for k, _t in wanted]) if wanted else None
         placed = set() if plan is None else set(plan.keys)
@@ -786,7 +918,9 @@ class Chain:
             waiting[k].issued = True
         for i in sorted({tier_of[k] for k in plan.keys}):
             pairs = [(k, s) for k, s in zip(plan.keys, plan.slots, strict=True) if tier_of[k] == i]
-            self._read(Read(i, tuple(k for k, _s in pairs), tuple(s for _k, s in pairs)))
+            read = Read(i, tuple(k for k, _s in pairs), tuple(s for _k, s in pairs), self._next())
+            self._lookup_reads.add(read.seq)  # its blocks are lookup hits of that tier
+            self._read(read)
 
     def _settle_read(self, done: ReadDone) -> None:
         read = done.intent
@@ -794,11 +928,13 @@ class Chain:
         good = [k for k in read.keys if k in done.loaded]
         bad = [k for k in read.keys if k not in done.loaded]
         if good:
-            self.cpu.complete_store(good, True)
+            self._cpu.complete_store(good, True)
             tier.counts.blocks_out += len(good)
+        if read.seq in self._lookup_reads:  # (a front's own promotions were counted by prefix)
+            self._lookup_reads.discard(read.seq)
             tier.counts.lookup_hits += len(good)
         if bad:
-            self.cpu.complete_store(bad, False)
+            self._cpu.complete_store(bad, False)
             tier.counts.read_failures += len(bad)
             tier.forget(bad)  # vanished, damaged or unreachable
         for k in read.keys:
@@ -841,10 +977,10 @@ class Chain:
             self._pin_and_write(i, todo)
 
     def _pin_and_write(self, index: int, keys: Sequence[bytes]) -> None:
-        plan = self.cpu.prepare_load(keys)  # a pin held for the write, not a load
+        plan = self._cpu.prepare_load(keys)  # a pin held for the write, not a load
         for k in keys:
             self._write_pins[k] = self._write_pins.get(k, 0) + 1
-        self._intents.append(Write(index, plan.keys, plan.slots))
+        self._intents.append(Write(index, plan.keys, plan.slots, seq=self._next()))
 
     def _read(self, read: Read) -> None:
         """Issue ``read``, or hold it while one of its rows is still being written back."""
@@ -854,7 +990,7 @@ class Chain:
             self._intents.append(read)
 
     def _unpin_written(self, keys: Sequence[bytes]) -> None:
-        self.cpu.complete_load(keys)
+        self._cpu.complete_load(keys)
         pins = self._write_pins
         for k in keys:
             left = pins[k] - 1

@@ -4,8 +4,8 @@ It is the asyncio front of the chain of tiers (:class:`~kvtier.chain.Chain`,
 the same one the vLLM front drives: which key lives where, which copy is
 ready, which row is pinned, the cascade), and of the data plane: the device
 copies it runs itself, the tiers below the CPU region (file, cluster) through
-a :class:`~kvtier.tier_driver.TierDriver` that carries the chain's intents
-out on this loop. Decisions are made
+the front runtime (:class:`~kvtier.runtime.Runtime`, inline: the chain's
+intents carried out and their outcomes settled on this loop). Decisions are made
 synchronously, before the first ``await`` of a call, so a ``lookup`` followed
 at once by a ``load`` cannot lose a block in between; the bytes move afterwards,
 and every state change that depends on the hardware happens in a completion
@@ -21,7 +21,6 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal, Self, cast
 
@@ -30,11 +29,11 @@ import numpy as np
 from kvtier._native_status import warn_if_missing
 from kvtier.chain import (
     Chain,
+    Intent,
     LowerTier,
     Outcome,
     Read,
     ReadDone,
-    TierChanged,
     Write,
     Written,
 )
@@ -49,10 +48,10 @@ from kvtier.errors import (
 )
 from kvtier.keys import check_keys
 from kvtier.layout import KVLayout
-from kvtier.manager import ManagerStatistics, ResidencyManager, StorePlan
+from kvtier.manager import ManagerStatistics, StorePlan
 from kvtier.region import CPURegion
-from kvtier.tier_driver import TierDriver
-from kvtier.tiers.base import Recovers, Refreshable, Tier, TierStatistics, Watched
+from kvtier.runtime import Runtime
+from kvtier.tiers.base import Refreshable, Tier, TierStatistics
 from kvtier.tiers.cluster import ClusterTierStatistics
 from kvtier.tiers.factory import aclose_tiers, open_tiers
 from kvtier.tiers.file import FileTierStatistics
@@ -224,7 +223,6 @@ class EngineStatistics:
 
 @dataclass(slots=True)
 class _Counter:
-    lookup_hits: int = 0
     blocks_in: int = 0
     blocks_out: int = 0
     bytes_in: int = 0
@@ -255,9 +253,9 @@ class _Counter:
             self.bytes_out += blocks * block_bytes
             self.seconds_out += busy
 
-    def freeze(self) -> TierCounters:
+    def freeze(self, lookup_hits: int) -> TierCounters:
         return TierCounters(
-            self.lookup_hits,
+            lookup_hits,
             self.blocks_in,
             self.blocks_out,
             self.bytes_in,
@@ -387,7 +385,6 @@ class Engine:
             if transfer.backend == "cpu" and isinstance(transfer, RunsNow)
             else None
         )
-        self._cpu = ResidencyManager(region.rows, config.eviction_policy, tier="cpu")
         specs = config.chain
         if len(specs) != len(tiers):  # pragma: no cover - open builds one from the other
             raise ProtocolError(f"{len(tiers)} tiers opened for a chain of {len(specs)}")
@@ -402,9 +399,9 @@ class Engine:
         )
         # The cascade (write-through, write-back on eviction, promotion, a lower
         # tier's failure as a miss) is the chain's, as under vLLM; the engine
-        # carries its intents out with awaitables (:meth:`_dispatch`, :meth:`_post`).
+        # carries its intents out with awaitables (the runtime, inline).
         self._chain = Chain(
-            self._cpu,
+            region.rows,
             [
                 LowerTier(
                     link.name,
@@ -415,13 +412,20 @@ class Engine:
                 for link in self._links
             ],
             lookup_deadline_s=math.inf,
+            policy=config.eviction_policy,
         )
-        self._driver = TierDriver(tiers, [link.name for link in self._links], region, self._post)
-        self._intent_done: dict[int, Completion[None]] = {}
-        """The completion of each intent carried out and not settled yet, by id."""
+        self._runtime = Runtime(
+            self._chain,
+            tiers,
+            [link.name for link in self._links],
+            region,
+            asyncio.get_running_loop(),
+            queued=False,
+            on_start=self._began,
+            on_outcome=self._outcome,
+        )
         self._read_jobs: dict[int, _Job] = {}
-        """The job of each promotion's read, by the read's id."""
-        self._seeding: set[asyncio.Task[None]] = set()
+        """The job of each promotion's read, by the read's sequence number."""
         self._bpc = layout.blocks_per_chunk
         # Every rank's slice of a row moves with each block (one slice in one process).
         self._row_bytes = layout.bytes_per_chunk * region.world_size
@@ -446,75 +450,36 @@ class Engine:
             "write_backs": 0,
             "abandoned_at_close": 0,
         }
-        for i, link in enumerate(self._links):
-            tier = link.tier
-            if isinstance(tier, Recovers):
-                if tier.recovering:  # its blocks join the chain once the scan ends
-                    self._chain.recovering(i)
-                    task = asyncio.ensure_future(self._seed(i, tier))
-                    self._seeding.add(task)
-                    task.add_done_callback(self._seeding.discard)
-                else:
-                    self._chain.settle(TierChanged(i, added=tuple(tier.take_recovered_keys())))
-            if isinstance(tier, Watched):
-                tier.watch(partial(self._peers_changed, i))
+        self._runtime.start()  # what the tiers recovered; peers followed
 
     # -- the chain's intents and outcomes -------------------------------------------------
 
-    async def _seed(self, index: int, tier: Recovers) -> None:
-        with contextlib.suppress(Exception):  # a failed recovery leaves the tier empty; it logs
-            await tier.wait_recovered()
-        if not self._closed:
-            self._chain.settle(
-                TierChanged(index, added=tuple(tier.take_recovered_keys()), recovered=True)
-            )
-
-    def _peers_changed(self, index: int, added: Sequence[bytes], removed: Sequence[bytes]) -> None:
-        self._chain.settle(TierChanged(index, added=tuple(added), removed=tuple(removed)))
-
     def _dispatch(self) -> None:
         """Carry out what the chain decided (writes, reads, probes), each with a completion."""
-        while intents := self._chain.take_intents():
-            for intent in intents:
-                done: Completion[None] = Completion()
-                self._intent_done[id(intent)] = done
-                if isinstance(intent, Write):
-                    if self._abandoning:
-                        # Past aclose's timeout nothing more goes to a lower tier
-                        # (its pins go with the outcome; no completion: not a write).
-                        del self._intent_done[id(intent)]
-                        self._abandon(intent.keys)
-                        self._post(Written(intent, frozenset()))
-                        continue
-                    if intent.evicting:
-                        self._n["write_backs"] += len(intent.keys)
-                    self._writes.add(done)
-                    done.add_done_callback(lambda c: self._writes.discard(c))
-                    self._links[intent.tier].traffic.begin(True)
-                elif isinstance(intent, Read):
-                    self._links[intent.tier].traffic.begin(False)
-                self._driver.carry_out(intent)
+        self._runtime.dispatch()
 
-    def _post(self, outcome: Outcome) -> None:
-        """An intent's outcome (on the loop): the chain first, then who waits for it."""
-        self._chain.settle(outcome)
-        if isinstance(outcome, TierChanged):
-            return
-        intent = outcome.intent
-        done = self._intent_done.pop(id(intent), None)
-        try:
-            if isinstance(outcome, Written) and done is not None:
-                written = len(outcome.stored & set(intent.keys))
-                self._n["write_through_failures"] += len(intent.keys) - written
-                self._links[intent.tier].traffic.end(True, written, self._region.row_stride)
-            elif isinstance(outcome, ReadDone):
-                self._read_done(outcome)
-        finally:
-            if done is not None:
-                done.set_result(None)
-            # What the outcome led to (promote_up writes, reads held for a
-            # write-back) goes out now.
-            self._dispatch()
+    def _began(self, intent: Intent) -> None:
+        """An intent goes to its tier (the runtime's ``on_start``): writes are tracked
+        (a close waits for them), each tier's traffic timed."""
+        if isinstance(intent, Write):
+            if intent.evicting:
+                self._n["write_backs"] += len(intent.keys)
+            if (done := self._runtime.completion(intent)) is not None:
+                self._writes.add(done)
+                done.add_done_callback(self._writes.discard)
+            self._links[intent.tier].traffic.begin(True)
+        elif isinstance(intent, Read):
+            self._links[intent.tier].traffic.begin(False)
+
+    def _outcome(self, outcome: Outcome) -> None:
+        """An intent's outcome, once the chain has it (the runtime's ``on_outcome``)."""
+        if isinstance(outcome, Written):
+            intent = outcome.intent
+            written = len(outcome.stored & set(intent.keys))
+            self._n["write_through_failures"] += len(intent.keys) - written
+            self._links[intent.tier].traffic.end(True, written, self._region.row_stride)
+        elif isinstance(outcome, ReadDone):
+            self._read_done(outcome)
 
     def _read_done(self, done: ReadDone) -> None:
         """A promotion's read ended: the chain made its blocks ready (or misses)."""
@@ -522,7 +487,7 @@ class Engine:
         good = [k for k in read.keys if k in done.loaded]
         self._n["promotions"] += len(good)
         self._links[read.tier].traffic.end(False, len(good), self._region.row_stride)
-        job = self._read_jobs.pop(id(read), None)
+        job = self._read_jobs.pop(read.seq, None)
         if job is None:  # pragma: no cover - every read is the engine's
             return
         job.ok.update(good)
@@ -759,6 +724,7 @@ class Engine:
         # From here on nothing new goes to a lower tier: what a copy still
         # running would write through, and what is still dirty, is abandoned.
         self._abandoning = True
+        self._runtime.stop_writes()
         if left := self._chain.abandon():
             self._n["abandoned_at_close"] += left
             log.warning(
@@ -769,8 +735,8 @@ class Engine:
         late = [c for c in self._unfinished() if c not in self._writes]
         if late:
             log.warning("aclose: %d jobs still running after %.1fs", len(late), seconds)
-        for task in list(self._seeding):
-            task.cancel()
+        self._runtime.cancel_seeding()
+        self._abandon_count(self._runtime.abandoned)
         try:
             # The copier and the ring wait for what they handed to hardware, so the
             # region is unmapped only after nothing can touch it any more.
@@ -782,12 +748,15 @@ class Engine:
 
     def _abandon(self, keys: Sequence[bytes]) -> None:
         """Count and report blocks that aclose will not write to the lower tiers."""
-        if keys:
-            self._n["abandoned_at_close"] += len(keys)
+        self._abandon_count(len(keys))
+
+    def _abandon_count(self, count: int) -> None:
+        if count:
+            self._n["abandoned_at_close"] += count
             log.warning(
                 "aclose: %d blocks not written to the lower tiers (timeout reached); "
                 "they are lost with the CPU region",
-                len(keys),
+                count,
             )
 
     def _unfinished(self) -> list[Completion[None]]:
@@ -861,22 +830,11 @@ class Engine:
         """
         self._check_open()
         check_keys(keys)
-        cpu, inflight = self._cpu, self._inflight
-        n = cpu.lookup(keys)
-        self._t_cpu.lookup_hits += n
-        for key in keys[n:]:
-            if key in inflight or cpu.is_ready(key):
-                self._t_cpu.lookup_hits += 1
-            elif (tier := self._chain.lower_of(key)) is not None:
-                self._links[tier].traffic.lookup_hits += 1
-            else:
-                break
-            n += 1
+        # The chain walks the tiers and credits each; the first key ends up most
+        # recently used, so prefixes outlive tails.
+        n = self._chain.prefix(keys, self._inflight)
         self._n["lookups"] += len(keys)
         self._n["lookup_misses"] += len(keys) - n
-        if n:
-            # The first key ends up most recently used, so prefixes outlive tails.
-            cpu.touch(keys[:n])
         return n
 
     async def refresh(self, keys: Sequence[bytes]) -> int:
@@ -905,30 +863,17 @@ class Engine:
         """
         self._check_open()
         check_keys(keys)
-        known = self._cpu.lookup(keys)
+        known = 0
         for i, link in enumerate(self._links):
             if isinstance(link.tier, Refreshable):
-                known = self._known(keys, known, i)
+                known = self._chain.known(keys, known, i, self._inflight)
                 if known < len(keys):
                     probe = self._chain.probe(i, keys[known:])
                     self._dispatch()
-                    if (done := self._intent_done.get(id(probe))) is not None:
+                    if (done := self._runtime.completion(probe)) is not None:
                         await done
                     self._check_open()
         return self.lookup(keys)
-
-    def _known(self, keys: Sequence[bytes], start: int, above: int) -> int:
-        """Past ``start``, the prefix in flight, in the CPU tier or in a tier above ``above``."""
-        n = start
-        for key in keys[start:]:
-            if not (
-                key in self._inflight
-                or self._cpu.is_ready(key)
-                or ((tier := self._chain.lower_of(key)) is not None and tier < above)
-            ):
-                break
-            n += 1
-        return n
 
     # -- store --------------------------------------------------------------------------
 
@@ -987,22 +932,19 @@ class Engine:
         # A key already in the CPU tier (ready or being written) needs no copy; one
         # only in a lower tier is copied anyway: it is hot now, and that tier's
         # write skips it.
-        cpu = self._cpu
+        chain = self._chain
         todo, present, stored = list(keys), 0, 0
-        stream = any(not link.tier.recovering for link in self._links)
+        stream = chain.streams
         while todo:
             # Looked at again each round: another store may have taken some meanwhile.
-            fresh = [k for k in todo if k not in cpu]
+            fresh = [k for k in todo if k not in chain]
             present += len(todo) - len(fresh)
             todo = fresh
-            if stream:
-                # (the chain places the leading keys that the free or evictable rows take)
-                plan = self._chain.place(todo) if todo else None
-            else:
-                # Without a lower tier an evicted block is gone: the call must
-                # not make room for its tail by evicting its own prefix.
-                own = () if len(todo) == len(keys) else keys
-                plan = self._chain.place(todo, keep=own) if todo else None
+            # The chain places the leading keys that the free or evictable rows
+            # take; without a tier that takes what it evicts, never by evicting
+            # this call's own prefix for its tail.
+            own = () if len(todo) == len(keys) else keys
+            plan = chain.place(todo, keep=own) if todo else None
             if plan is None:
                 # Backpressure: rows held by copies, loads and file writes free up
                 # when those end; waiting beats dropping blocks that fit a moment
@@ -1099,11 +1041,6 @@ class Engine:
             return self._xfer.store(ids, slots)
         return self._xfer.load(slots, ids, skip)
 
-    def _room(self) -> int:
-        """How many new blocks fit the CPU tier now (free or evictable rows)."""
-        st = self._cpu.statistics()
-        return st.capacity - st.used + st.evictable
-
     async def _wait_for_rows(self) -> bool:
         """Wait until some work that holds CPU rows ends; False when none is running."""
         running = [c for c in (*self._writes, *self._pending) if not c.done()]
@@ -1121,7 +1058,7 @@ class Engine:
         writes = self._chain.evicting_writes(plan)
         if writes:
             self._dispatch()
-        pending = [d for w in writes if (d := self._intent_done.get(id(w))) is not None]
+        pending = [d for w in writes if (d := self._runtime.completion(w)) is not None]
         if not pending:
             return _guarded(start)
         out: Completion[None] = Completion()
@@ -1236,16 +1173,16 @@ class Engine:
         self._n["loads"] += 1
         if not keys:
             return 0
-        cpu, inflight = self._cpu, self._inflight
+        chain, inflight = self._chain, self._inflight
         ready = True  # every key ready in the CPU tier (none in flight)
         for k in keys:
             if k in inflight:
                 ready = False
-            elif not cpu.is_ready(k):
+            elif not chain.is_ready(k):
                 ready = False
-                if self._chain.lower_of(k) is None:
+                if chain.lower_of(k) is None:
                     raise BlockNotFoundError(f"block {k.hex()} is in no tier")
-        cpu.touch(keys)
+        chain.touch(keys)
         index = {k: i for i, k in enumerate(keys)}
         st = _Load(index, ids, skip, len(keys), [] if ready else list(keys))
         try:
@@ -1290,7 +1227,7 @@ class Engine:
             job = self._inflight.get(k)
             if job is not None:
                 self._wait_on(st, job, [k])
-            elif self._cpu.is_ready(k):
+            elif self._chain.is_ready(k):
                 ready.append(k)
             elif self._chain.lower_of(k) is not None:
                 promote.append(k)
@@ -1318,16 +1255,13 @@ class Engine:
             st.todo.clear()
 
     def _promote_some(self, st: _Load, todo: list[bytes]) -> list[bytes]:
-        """Promote the leading keys of ``todo`` that rows can take; the rest."""
-        half = max(1, self._cpu.capacity // 2)
-        while todo and (room := self._room()):
-            # Past the room, windows of half the tier: one window is read while
-            # the one before is copied to the device.
-            window = todo if len(todo) <= room else todo[: min(room, half)]
+        """Promote the leading keys of ``todo`` that rows can take (in the chain's
+        windows); the rest."""
+        while todo:
             placed: set[bytes] = set()
-            for read in self._chain.promote(window):
+            for read in self._chain.promote(todo):
                 job = _Job(read.keys, Completion())
-                self._read_jobs[id(read)] = job
+                self._read_jobs[read.seq] = job
                 for k in read.keys:
                     self._inflight[k] = job
                 self._track(job.done)
@@ -1357,7 +1291,7 @@ class Engine:
         got: list[bytes] = []
         retry: list[bytes] = []
         for k in st.waits.pop(job, []):
-            if k in job.ok and self._cpu.is_ready(k):
+            if k in job.ok and self._chain.is_ready(k):
                 got.append(k)
             elif k in st.promoted:
                 st.end = min(st.end, st.index[k])  # its read failed: a miss ends the prefix
@@ -1378,7 +1312,7 @@ class Engine:
             where = [st.index[k] for k in keys]
             ids = _window_ids(st.ids, where, self._bpc, st.skip)
             skip = st.skip if where[0] == 0 else 0
-        slots = self._cpu.prepare_load(keys).slots
+        slots = self._chain.pin_for_device_load(keys)
         self._t_cpu.begin(False)
         copy = _guarded(lambda: self._copy(False, slots, ids, skip))
         if copy.done():  # copied on this thread: unpinned before anything else runs
@@ -1400,7 +1334,7 @@ class Engine:
 
     def _loaded(self, st: _Load, keys: list[bytes], copy: Completion[None]) -> None:
         """A copy of a load ended: unpin its rows, count it, keep its error."""
-        self._cpu.complete_load(keys)
+        self._chain.unpin_device_load(keys)
         exc = copy.exception()
         self._t_cpu.end(False, len(keys) if exc is None else 0, self._row_bytes)
         if exc is not None and st.error is None:
@@ -1420,11 +1354,14 @@ class Engine:
     def statistics(self) -> EngineStatistics:
         """A consistent snapshot of every tier's state and traffic."""
         n = self._n
-        cpu_stats = self._cpu.statistics()
-        cpu = TierReport(cpu_stats, self._t_cpu.freeze())
+        cpu_stats = self._chain.cpu_statistics()
+        hits = self._chain.statistics().tiers  # lookup hits: the chain credits each tier
+        cpu = TierReport(cpu_stats, self._t_cpu.freeze(hits["cpu"].lookup_hits))
         tiers: dict[str, TierReport] = {"cpu": cpu}
         for link in self._links:  # by name: each tier reports its own record
-            tiers[link.name] = TierReport(link.tier.statistics(), link.traffic.freeze())
+            tiers[link.name] = TierReport(
+                link.tier.statistics(), link.traffic.freeze(hits[link.name].lookup_hits)
+            )
         file, cluster = tiers.get("file"), tiers.get("cluster")
         return EngineStatistics(
             tiers=MappingProxyType(tiers),

@@ -26,7 +26,6 @@ from kvtier.chain import (
     Write,
     Written,
 )
-from kvtier.manager import ResidencyManager
 
 DEADLINE_S = 1.0
 
@@ -45,7 +44,7 @@ def key(n: int) -> bytes:
 
 def new_chain(rows: int, *lower: LowerTier, clock: Clock | None = None) -> Chain:
     return Chain(
-        ResidencyManager(rows, "lru"),
+        rows,
         list(lower),
         lookup_deadline_s=DEADLINE_S,
         probe_ttl_s=0.5,
@@ -101,10 +100,10 @@ def test_write_through_pins_the_rows_until_the_writes_end() -> None:
         (1, (key(1), key(2))),
     ]
     assert chain.statistics().rows_held_by_writes == 2
-    assert chain.cpu.pins(key(1)) == 2  # one per write, not a load
+    assert chain.pins(key(1)) == 2  # one per write, not a load
     for w in writes:
         chain.settle(Written(w, frozenset(w.keys)))  # type: ignore[arg-type]
-    assert chain.cpu.pins(key(1)) == 0
+    assert chain.pins(key(1)) == 0
     assert not chain.busy
     counts = chain.statistics().tiers
     assert counts["file"].blocks_in == counts["cluster"].blocks_in == 2
@@ -120,7 +119,7 @@ def test_a_failed_write_is_counted_and_the_pin_released() -> None:
     chain = new_chain(4, LowerTier("file"))
     store(chain, [1])
     run(chain, lambda i: Written(i, frozenset()) if isinstance(i, Write) else None)
-    assert chain.cpu.pins(key(1)) == 0
+    assert chain.pins(key(1)) == 0
     assert chain.statistics().tiers["file"].write_failures == 1
     assert chain.lower_of(key(1)) is None  # not held below: never read from there
 
@@ -158,7 +157,7 @@ def test_a_failed_read_is_a_miss_and_forgets_the_block() -> None:
     run(chain, lambda i: ReadDone(i, frozenset()) if isinstance(i, Read) else None)
     assert chain.lookup(key(1)) is Answer.MISS
     assert chain.lower_of(key(1)) is None
-    assert key(1) not in chain.cpu  # its reserved row went back
+    assert key(1) not in chain  # its reserved row went back
     assert chain.statistics().tiers["file"].read_failures == 1
 
 
@@ -237,7 +236,7 @@ def test_a_store_whose_device_copy_failed_is_not_written_down(ok: bool) -> None:
     assert plan is not None
     chain.stored(plan.keys, ok)
     assert bool(chain.take_intents()) is ok
-    assert chain.cpu.is_ready(key(1)) is ok
+    assert chain.is_ready(key(1)) is ok
 
 
 def test_place_takes_the_leading_keys_that_fit_and_counts_the_rest() -> None:
@@ -253,5 +252,5 @@ def test_keep_shields_a_prefix_from_its_own_tail() -> None:
     chain = new_chain(2)
     store(chain, [1, 2])
     assert chain.place([key(3)], keep=[key(1), key(2)]) is None
-    assert chain.cpu.is_ready(key(1))
-    assert chain.cpu.is_ready(key(2))
+    assert chain.is_ready(key(1))
+    assert chain.is_ready(key(2))

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import pytest
 
 from kvtier.chain import Answer, Chain, LowerTier, Read, ReadDone, TierChanged, Write, Written
-from kvtier.manager import ResidencyManager
 
 DEADLINE_S = 2.0
 STEP_S = 0.05
@@ -35,7 +34,7 @@ def key(n: int) -> bytes:
 
 def new_chain(rows: int, clock: Clock) -> Chain:
     return Chain(
-        ResidencyManager(rows, "lru"),
+        rows,
         [LowerTier("file")],
         lookup_deadline_s=DEADLINE_S,
         clock=clock,
@@ -75,7 +74,7 @@ def carry_out(chain: Chain, *, reads_end: bool = True) -> list[Read]:
 
 def serve(chain: Chain, request: str, keys: Sequence[bytes], hits: int) -> None:
     """What vLLM does with an answer: pin the hits for the copy to the device."""
-    assert all(chain.cpu.is_ready(k) for k in keys[:hits])
+    assert all(chain.is_ready(k) for k in keys[:hits])
     chain.pin_for_device_load(keys[:hits])
     chain.unpin_device_load(keys[:hits])
     chain.forget_request(request)
@@ -160,7 +159,7 @@ def test_a_request_answered_waits_afresh_when_it_comes_back() -> None:
     assert vllm_pass(chain, "r1", prefix) == 2
     # Long after (preempted, then resumed), its blocks evicted meanwhile:
     clock.now += 10 * DEADLINE_S
-    chain.cpu.remove(prefix)
+    chain.remove(prefix)
     assert vllm_pass(chain, "r1", prefix) is None  # a new wait, not past the old deadline
     carry_out(chain)
     assert vllm_pass(chain, "r1", prefix) == 2

@@ -8,7 +8,6 @@ hands over every such block, however the tier came to lack it.
 from __future__ import annotations
 
 from kvtier.chain import Chain, LowerTier, Read, ReadDone, TierChanged, Write, Written
-from kvtier.manager import ResidencyManager
 
 
 def key(n: int) -> bytes:
@@ -16,7 +15,7 @@ def key(n: int) -> bytes:
 
 
 def new_chain(rows: int) -> Chain:
-    return Chain(ResidencyManager(rows, "lru"), [LowerTier("file", write_back=True)])
+    return Chain(rows, [LowerTier("file", write_back=True)])
 
 
 def store(chain: Chain, *names: int) -> tuple[Write, ...]:
@@ -52,14 +51,14 @@ def promote(chain: Chain, name: int) -> None:
             else:
                 assert isinstance(intent, Read)
                 chain.settle(ReadDone(intent, frozenset(intent.keys)))
-    assert chain.cpu.is_ready(key(name))
+    assert chain.is_ready(key(name))
 
 
 def test_a_victim_goes_to_the_tier_before_its_row_is_reused() -> None:
     chain = new_chain(2)
     store(chain, 1, 2)
     writes = store(chain, 3)
-    (victim,) = [k for k in (key(1), key(2)) if not chain.cpu.is_ready(k)]
+    (victim,) = [k for k in (key(1), key(2)) if not chain.is_ready(k)]
     assert [w.keys for w in writes] == [(victim,)]
     assert writes[0].evicting
 
@@ -93,7 +92,7 @@ def test_a_block_the_tier_evicted_by_its_own_write_is_owed_again() -> None:
     assert v not in w.keys
     chain.settle(Written(w, frozenset(w.keys), evicted=(v,)))
     chain.stored(plan.keys, True)
-    assert chain.cpu.is_ready(v)
+    assert chain.is_ready(v)
     # A clean close hands over everything the tier lacks, v among them.
     assert chain.write_back() >= 1
     assert v in written_back(chain)
@@ -116,11 +115,11 @@ def test_while_the_tier_recovers_its_blocks_stay_in_their_rows() -> None:
     # Both rows hold blocks the tier is owed and cannot take yet: a store is
     # refused rather than a block lost to a write the tier would refuse.
     assert chain.place([key(3)]) is None
-    assert chain.cpu.is_ready(key(1))
-    assert chain.cpu.is_ready(key(2))
+    assert chain.is_ready(key(1))
+    assert chain.is_ready(key(2))
     chain.settle(TierChanged(0, added=(), recovered=True))
     writes = store(chain, 3)
-    (victim,) = [k for k in (key(1), key(2)) if not chain.cpu.is_ready(k)]
+    (victim,) = [k for k in (key(1), key(2)) if not chain.is_ready(k)]
     assert [w.keys for w in writes] == [(victim,)]
 
 
@@ -128,11 +127,11 @@ def test_recovery_ending_releases_every_pin() -> None:
     chain = new_chain(2)
     chain.recovering(0)
     store(chain, 1)
-    assert chain.cpu.pins(key(1)) == 1
+    assert chain.pins(key(1)) == 1
     chain.settle(TierChanged(0, recovered=True))
-    assert chain.cpu.pins(key(1)) == 0
+    assert chain.pins(key(1)) == 0
     # A close while the tier still recovers releases them too.
     chain.recovering(0)
     store(chain, 2)
     chain.abandon()
-    assert chain.cpu.pins(key(2)) == 0
+    assert chain.pins(key(2)) == 0

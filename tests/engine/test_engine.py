@@ -177,7 +177,7 @@ async def test_concurrent_loads_of_one_block_promote_once(tmp_path: Path) -> Non
         for salt in (1, 2):  # push both out of the CPU tier
             await engine.store(keys_for(engine, 2, salt), [2, 3])
         await engine.flush()
-        assert not any(engine._cpu.is_ready(k) for k in keys)
+        assert not any(engine._chain.is_ready(k) for k in keys)
         before = engine.statistics().promotions
         results = await asyncio.gather(
             *(engine.load(keys, [10 + 2 * i, 11 + 2 * i]) for i in range(4))
@@ -500,7 +500,7 @@ def moved(kv: list[torch.Tensor], dst: range, src: list[torch.Tensor], at: range
 def assert_unpinned(engine: Engine, keys: list[bytes]) -> None:
     """Nothing pinned, being written or in flight, for the engine and each of ``keys``."""
     assert_quiescent(engine)
-    assert [engine._cpu.pins(k) for k in keys] == [0] * len(keys)
+    assert [engine._chain.pins(k) for k in keys] == [0] * len(keys)
     assert not engine._inflight
 
 

@@ -5,17 +5,14 @@ See :mod:`kvtier.integrations.vllm.spec` for how the two sides meet.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import json
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from functools import partial
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # type: ignore[import-not-found]
@@ -41,7 +38,6 @@ from kvtier.chain import (
     Outcome,
     Read,
     ReadDone,
-    TierChanged,
     Write,
     Written,
 )
@@ -50,7 +46,7 @@ from kvtier.errors import BusyError
 from kvtier.integrations.vllm._common import RowsSpec, _LoopThread, offload_key_to_kvtier
 from kvtier.integrations.vllm.settings import VLLMSettings
 from kvtier.layout import KVLayout
-from kvtier.manager import BlockRemoved, ManagerEvent, ResidencyManager
+from kvtier.manager import BlockRemoved, ManagerEvent
 from kvtier.metrics import (
     DEADLINE_MISSES,
     EVENTS_DROPPED,
@@ -67,8 +63,8 @@ from kvtier.metrics import (
     tier_metrics,
 )
 from kvtier.region import CPURegion
-from kvtier.tier_driver import TierDriver
-from kvtier.tiers.base import Announces, Recovers, Tier, Watched
+from kvtier.runtime import Runtime
+from kvtier.tiers.base import Announces, Tier
 from kvtier.tiers.factory import aclose_tiers, open_tiers
 
 __all__ = [
@@ -140,21 +136,18 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         specs = [spec for _name, spec in self._config.chain]
         self._tier_names = [spec.name for spec in specs]
         self._chain = Chain(
-            ResidencyManager(
-                region.rows, self._config.eviction_policy, tier="cpu", enable_events=enable_events
-            ),
+            region.rows,
             [
                 LowerTier(spec.name, shared=tier.shared, promote_up=i > 0 and spec.promotes_up)
                 for i, (spec, tier) in enumerate(zip(specs, tiers, strict=True))
             ],
             lookup_deadline_s=settings.lookup_deadline_s,
+            policy=self._config.eviction_policy,
+            enable_events=enable_events,
         )
         # The file tier (the one tier of this instance's own) announces KV events.
         self._event_tier = self._tier_names.index("file") if "file" in self._tier_names else -1
         self._names: dict[bytes, OffloadKey] = {}
-        # Filled on the loop thread, drained on vLLM's: deque append and popleft
-        # are atomic, so the two threads need no lock.
-        self._outcomes: collections.deque[Outcome | _TierEvents] = collections.deque()
         self._events: collections.deque[OffloadingEvent] | None = (
             collections.deque() if enable_events else None
         )
@@ -175,26 +168,22 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._changed = True
         self._tier_stats: list[Any] = loop.run(_statistics(tiers))
         """Each lower tier's latest statistics record (see :meth:`_snapshot`)."""
-        self._driver = TierDriver(
-            tiers, self._tier_names, region, self._post_outcome, self._after_tier_call
+        # Intents go to kvtier's loop thread; outcomes come back through a queue
+        # drained at the start of every call (vLLM's thread never waits).
+        self._runtime = Runtime(
+            self._chain,
+            tiers,
+            self._tier_names,
+            region,
+            loop.loop,
+            queued=True,
+            on_start=self._began,
+            on_end=self._ended,
+            on_outcome=self._settled,
+            on_tier_call=self._after_tier_call,
+            on_handed=self._handed,
         )
-        for i, tier in enumerate(tiers):
-            if not isinstance(tier, Recovers):
-                continue
-            if tier.recovering:  # the scan goes on: its blocks join when it ends
-                self._chain.recovering(i)
-                asyncio.run_coroutine_threadsafe(self._seed(i, tier), loop.loop)
-            else:  # found at open: known before vLLM's first lookup
-                keys = loop.run(_recovered(tier))
-                self._chain.settle(TierChanged(i, added=tuple(keys)))
-        # Blocks other instances store on a shared file-tier root: their changes
-        # are folded per key on the loop thread (an idle vLLM drains nothing, so
-        # a queue of them would grow with the peers' traffic) and taken here.
-        self._peer_lock = threading.Lock()
-        self._peer_changes: dict[int, dict[bytes, bool]] = {}
-        for i, tier in enumerate(tiers):
-            if isinstance(tier, Watched):
-                loop.run(_watch(tier, partial(self._peers_changed, i)))
+        self._runtime.start()  # what the tiers recovered; peers followed
         self._drain()
 
     @classmethod
@@ -286,11 +275,11 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
     ) -> PrepareStoreOutput | None:
         self._drain()
         self._changed = True
-        cpu = self._chain.cpu
+        chain = self._chain
         todo: dict[bytes, OffloadKey] = {}
         for key in keys:
             k = self._key(key)
-            if k not in cpu:
+            if k not in chain:
                 todo[k] = key
         if not todo:
             return PrepareStoreOutput(keys_to_store=[], store_spec=RowsSpec([]), evicted_keys=[])
@@ -382,7 +371,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._drain()
         self._changed = True
         try:
-            self._chain.cpu.reset()
+            self._chain.reset()
         except BusyError:
             log.warning("reset_cache: blocks are being loaded or stored; nothing was reset")
             return
@@ -402,12 +391,12 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             self._drain()
             self._dispatch()
         self._write_statistics(force=True)
+        self._runtime.cancel_seeding()
         try:
-            for name, tier in reversed(list(zip(self._tier_names, self._tiers, strict=True))):
-                try:
-                    self._loop.run(tier.aclose(), timeout=60.0)
-                except Exception:
-                    log.exception("closing kvtier's %s tier failed", name)
+            # One bound for them all: a hung tier's close must not hold vLLM's exit.
+            self._loop.run(aclose_tiers(self._tiers, self._tier_names), timeout=60.0)
+        except Exception:
+            log.exception("closing kvtier's tiers failed")
         finally:
             self._loop.stop()
             self._region.close()
@@ -423,7 +412,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         without a file tier).
         """
         info: dict[str, str | int | float | bool] = {
-            "kvtier_cpu_rows": self._chain.cpu.capacity,
+            "kvtier_cpu_rows": self._chain.capacity,
             "kvtier_row_bytes": self._region.row_stride,
             "kvtier_tiers": ",".join(["cpu", *self._tier_names]),
             "kvtier_lookup_deadline_s": self._settings.lookup_deadline_s,
@@ -462,7 +451,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             write_through_failures=sum(t.write_failures for t in lower),
             rows_held_by_writes=chain.rows_held_by_writes,
             tiers={name: asdict(counts) for name, counts in chain.tiers.items()},
-            cpu=asdict(self._chain.cpu.statistics()),
+            cpu=asdict(self._chain.cpu_statistics()),
             metrics=as_json(self._metrics()),
         )
         out["file"] = None
@@ -476,7 +465,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         counts = chain.tiers
         tiers: dict[str, TierMetrics] = {
             "cpu": tier_metrics(
-                self._chain.cpu.statistics(),
+                self._chain.cpu_statistics(),
                 counts["cpu"],
                 row_bytes=self._row_bytes,
                 store_refusals=chain.store_refusals,
@@ -517,7 +506,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             "blocks_per_chunk)): rows held by tier writes in flight are not reusable "
             "until the write ends. See docs/vllm.md, 'Sizing the CPU tier'. Logged once; "
             "refusals are counted as store_refusals",
-            self._chain.cpu.capacity,
+            self._chain.capacity,
             self._region.row_stride,
             int(self._config.cpu_bytes_to_use),
             count,
@@ -527,9 +516,9 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def _forget(self, keys: Iterable[bytes]) -> None:
         """Drop the names of blocks that no tier holds under a name any more."""
-        cpu, chain = self._chain.cpu, self._chain
+        chain = self._chain
         for k in keys:
-            if k not in cpu and k not in self._announced_file and not chain.is_waiting(k):
+            if k not in chain and k not in self._announced_file and not chain.is_waiting(k):
                 self._names.pop(k, None)
 
     def _publish(self, keys: list[bytes], medium: Medium, removed: bool) -> None:
@@ -579,63 +568,37 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
 
     def _pull_cpu_events(self) -> None:
         if self._events is not None:
-            self._translate(self._chain.cpu.take_events(), Medium.CPU)
+            self._translate(self._chain.take_cpu_events(), Medium.CPU)
 
     def _dispatch(self) -> None:
         """Hand the chain's intents to the loop thread (one wake-up for all of them)."""
-        intents = self._chain.take_intents()
-        if intents:
-            self._loop.soon(self._carry_out, intents)
+        self._runtime.dispatch()
 
     def _drain(self) -> None:
         """Apply what the loop thread handed back, in order: outcomes, the file tier's events."""
-        outcomes, chain = self._outcomes, self._chain
-        if self._peer_changes:
-            with self._peer_lock:
-                changes, self._peer_changes = self._peer_changes, {}
-            for index, keys in changes.items():
-                chain.settle(
-                    TierChanged(
-                        index,
-                        added=tuple(k for k, there in keys.items() if there),
-                        removed=tuple(k for k, there in keys.items() if not there),
-                    )
-                )
+        if self._runtime.drain():
             self._changed = True
-        while outcomes:
-            item = outcomes.popleft()
-            self._changed = True
-            if isinstance(item, _TierEvents):
-                self._translate(item.events, Medium.STORAGE)
-                continue
-            chain.settle(item)
-            if isinstance(item, ReadDone):
-                self._forget([k for k in item.intent.keys if k not in item.loaded])
         self._pull_cpu_events()
+
+    def _settled(self, outcome: Outcome) -> None:
+        if isinstance(outcome, ReadDone):
+            self._forget([k for k in outcome.intent.keys if k not in outcome.loaded])
+
+    def _handed(self, item: object) -> None:
+        if isinstance(item, _TierEvents):
+            self._translate(item.events, Medium.STORAGE)
 
     # Loop thread only.
 
-    def _carry_out(self, intents: list[Intent]) -> None:
-        for intent in intents:
-            if isinstance(intent, Write | Read):  # timed until their outcome is posted
-                self._reporter.began(id(intent))
-            self._driver.carry_out(intent)
+    def _began(self, intent: Intent) -> None:
+        if isinstance(intent, Write | Read):  # timed until their outcome arrives
+            self._reporter.began(intent.seq)
 
-    def _post_outcome(self, outcome: Outcome) -> None:
+    def _ended(self, outcome: Outcome) -> None:
         if isinstance(outcome, Written | ReadDone):
             metric = WRITE_DURATION if isinstance(outcome, Written) else READ_DURATION
             name = self._tier_names[outcome.intent.tier]
-            self._reporter.ended(id(outcome.intent), metric, name)
-        self._outcomes.append(outcome)
-
-    def _peers_changed(self, index: int, added: Sequence[bytes], removed: Sequence[bytes]) -> None:
-        self._snapshot(index)
-        with self._peer_lock:
-            keys = self._peer_changes.setdefault(index, {})
-            for k in removed:
-                keys[k] = False
-            for k in added:
-                keys[k] = True
+            self._reporter.ended(outcome.intent.seq, metric, name)
 
     def _snapshot(self, index: int) -> None:
         # Each tier's record is taken on the loop thread that owns the tier,
@@ -650,14 +613,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if index == self._event_tier and self._events is not None:
             tier = self._tiers[index]
             if isinstance(tier, Announces) and (events := tier.take_events()):
-                self._outcomes.append(_TierEvents(events))
-
-    async def _seed(self, index: int, tier: Recovers) -> None:
-        # A failed recovery leaves the tier empty; it logs why itself.
-        with contextlib.suppress(Exception):
-            await tier.wait_recovered()
-        self._driver.seed(index, tier.take_recovered_keys())
-        self._snapshot(index)
+                self._runtime.hand_over(_TierEvents(events))
 
     def _write_statistics(self, force: bool = False) -> None:
         path = self._settings.statistics_file
@@ -694,16 +650,6 @@ class _TierEvents:
 
 async def _statistics(tiers: Sequence[Tier]) -> list[Any]:
     return [tier.statistics() for tier in tiers]
-
-
-async def _watch(
-    tier: Watched, listener: Callable[[Sequence[bytes], Sequence[bytes]], None]
-) -> None:
-    tier.watch(listener)
-
-
-async def _recovered(tier: Recovers) -> list[bytes]:
-    return tier.take_recovered_keys()
 
 
 def _write_atomic(path: str, text: str) -> None:
