@@ -344,6 +344,12 @@ class Chain:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cpu = cpu = ResidencyManager(rows, policy, tier="cpu", enable_events=enable_events)
+        # The two questions the fronts ask per key on their hot paths, answered
+        # by the residency itself (no second call through the chain).
+        self.is_ready: Callable[[bytes], bool] = cpu.is_ready
+        """Whether a key is ready in a CPU row (loadable now)."""
+        self.holds: Callable[[object], bool] = cpu.__contains__
+        """Whether a key holds a CPU row in any state (``key in chain``)."""
         self._lower = [_Lower(spec) for spec in lower]
         self._deadline = lookup_deadline_s
         self._probe_ttl = probe_ttl_s
@@ -565,10 +571,6 @@ class Chain:
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` holds a CPU row, in any state (being written included)."""
         return key in self._cpu
-
-    def is_ready(self, key: bytes) -> bool:
-        """Whether ``key`` is ready in a CPU row (loadable now)."""
-        return self._cpu.is_ready(key)
 
     def pins(self, key: bytes) -> int:
         """How many loads and writes hold ``key``'s CPU row now."""

@@ -937,7 +937,8 @@ class Engine:
         stream = chain.streams
         while todo:
             # Looked at again each round: another store may have taken some meanwhile.
-            fresh = [k for k in todo if k not in chain]
+            holds = chain.holds
+            fresh = [k for k in todo if not holds(k)]
             present += len(todo) - len(fresh)
             todo = fresh
             # The chain places the leading keys that the free or evictable rows

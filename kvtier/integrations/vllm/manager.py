@@ -275,11 +275,11 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
     ) -> PrepareStoreOutput | None:
         self._drain()
         self._changed = True
-        chain = self._chain
+        holds = self._chain.holds
         todo: dict[bytes, OffloadKey] = {}
         for key in keys:
             k = self._key(key)
-            if k not in chain:
+            if not holds(k):
                 todo[k] = key
         if not todo:
             return PrepareStoreOutput(keys_to_store=[], store_spec=RowsSpec([]), evicted_keys=[])
