@@ -906,15 +906,15 @@ def targets(rows: Sequence[Row]) -> list[str]:
         if ideal is not None:
             thr = r.rps / ideal.rps
             ttft = pct(r.ttft, 50) / pct(ideal.ttft, 50)
-            parts.append(f"throughput {thr:.2f}x minimal ({'met' if thr >= 0.95 else 'MISSED'})")
-            parts.append(f"TTFT p50 {ttft:.2f}x minimal ({'met' if ttft <= 1.1 else 'MISSED'})")
+            parts.append(f"throughput {thr:.3f}x minimal ({'met' if thr >= 0.95 else 'MISSED'})")
+            parts.append(f"TTFT p50 {ttft:.3f}x minimal ({'met' if ttft <= 1.1 else 'MISSED'})")
         base = by.get(("no-offload", r.users))
         if base is not None:
             thr = r.rps / base.rps
             ttft = pct(r.ttft, 50) / pct(base.ttft, 50)
             worse = thr < 1.0 or ttft > 1.0
             parts.append(
-                f"vs no-offload: throughput {thr:.2f}x, TTFT p50 {ttft:.2f}x "
+                f"vs no-offload: throughput {thr:.3f}x, TTFT p50 {ttft:.3f}x "
                 f"({'WORSE' if worse else 'not worse'})"
             )
         if r.engine_cpu_s:
@@ -1026,6 +1026,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--bind", default="0", help="VLLM_CPU_OMP_THREADS_BIND of every server")
     ap.add_argument("--wait-other", type=float, default=900.0, help="s to wait for other vLLMs")
     ap.add_argument("--out", type=Path, default=Path("/tmp/kvtier-vllm-serving"))
+    ap.add_argument("--report", type=Path, help="print a run's results.json again, and plot it")
     ap.add_argument("--client", help=argparse.SUPPRESS)
     return ap
 
@@ -1034,6 +1035,9 @@ def main() -> None:
     args = _parser().parse_args()
     if args.client:
         client_main(args.client)
+        return
+    if args.report:
+        report_main(args.report)
         return
     quick = {"users": [4, 8], "rounds": 4, "system": 512, "gen": 16, "think": 1.0, "reps": 1}
     full = {
@@ -1083,7 +1087,23 @@ def main() -> None:
         print(header, file=sys.stderr)
         phases = run(model, args.configs, args, sizes, tmp, args.out, args.wait_other)
     seconds = time.perf_counter() - started
-    rows = summarize(phases, args.configs)
+    (args.out / "results.json").write_text(
+        json.dumps(
+            {
+                "header": header,
+                "seconds": seconds,
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "phases": [asdict(p) for p in phases],
+            }
+        )
+    )
+    render(header, phases, seconds, args.out)
+
+
+def render(header: str, phases: Sequence[Phase], seconds: float, out: Path) -> None:
+    """Print the table, the targets and the plots' paths; write ``table.md`` and the plots."""
+    configs = [c for c in CONFIGS if any(p.config == c for p in phases)]
+    rows = summarize(phases, configs)
     report = "\n".join(
         [
             header,
@@ -1098,20 +1118,19 @@ def main() -> None:
     if any(r.disturbed for r in rows):
         report += "\n! another vLLM process ran during the phase"
     try:
-        made = plots(rows, args.out)
+        made = plots(rows, out)
         report += "\nplots: " + ", ".join(str(p) for p in made)
     except ImportError:
         report += "\nplots skipped: matplotlib is not installed (pip install matplotlib)"
     print("\n" + report)
-    (args.out / "table.md").write_text(report + "\n")
-    (args.out / "results.json").write_text(
-        json.dumps(
-            {
-                "args": {k: str(v) for k, v in vars(args).items()},
-                "phases": [asdict(p) for p in phases],
-            }
-        )
-    )
+    (out / "table.md").write_text(report + "\n")
+
+
+def report_main(path: Path) -> None:
+    """``--report RESULTS``: the table, targets and plots again, from a run's ``results.json``."""
+    data = json.loads(path.read_text())
+    phases = [Phase(**p) for p in data["phases"]]
+    render(data.get("header", str(path)), phases, float(data.get("seconds", 0.0)), path.parent)
 
 
 if __name__ == "__main__":
