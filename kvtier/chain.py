@@ -220,6 +220,12 @@ class TierCounts:
     """Keys asked of it (shared tiers)."""
     write_backs: int = 0
     """Blocks handed to it by write-back (evicted from the CPU tier, or at close)."""
+    loads_declined: int = 0
+    """Blocks it holds that lookups answered as misses because their read would
+    have arrived later than recomputing them (see :meth:`Chain.worth_loading`)."""
+    read_s_per_block: float | None = None
+    """Seconds of reading per block it delivered lately (overlapping reads
+    counted once): what a new read of it is expected to cost; None before any."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +244,12 @@ class ChainStatistics:
     row_limit_misses: int
     """Lookups answered MISS because the request's prefix before them already
     needed every CPU row (the rest of it is recomputed)."""
+    loads_declined: int
+    """Lookups answered MISS because loading the block would have been slower
+    than recomputing it (per tier: :attr:`TierCounts.loads_declined`)."""
+    recompute_s_per_block: float | None
+    """What recomputing one block costs, as set or measured; None: unknown (no
+    load is declined)."""
     rows_held_by_writes: int
     """CPU rows pinned now for writes to lower tiers."""
 
@@ -266,6 +278,8 @@ class _Request:
     """Its current pass answered RETRY or PENDING somewhere."""
     last: float = 0.0
     """When it last looked a key up."""
+    from_lower: dict[int, int] = field(default_factory=dict)
+    """Blocks of its current pass to be read from each lower tier."""
 
 
 @dataclass(slots=True)
@@ -283,6 +297,21 @@ class _Lower:
     held: dict[bytes, None] = field(default_factory=dict)
     """Write-back tiers while recovering: dirty blocks pinned in their CPU rows
     (an eviction would hand them to a write the tier refuses: lost)."""
+    reading: int = 0
+    """Reads of it in flight."""
+    queued: int = 0
+    """Blocks of those reads."""
+    since: float = 0.0
+    """When its current busy period (some read in flight) began."""
+    period_blocks: int = 0
+    """Blocks delivered in the current busy period."""
+    busy: float = 0.0
+    """Decayed sum of its busy periods' seconds..."""
+    delivered: float = 0.0
+    """... and of the blocks they delivered: ``busy / delivered`` is its cost per block."""
+
+    def s_per_block(self) -> float | None:
+        return self.busy / self.delivered if self.delivered else None
 
     def learn(self, keys: Iterable[bytes], limit: int) -> None:
         known = self.known
@@ -322,6 +351,12 @@ class Chain:
         The CPU tier's eviction policy (``"lru"``, ``"arc"``).
     enable_events
         Record the CPU tier's residency events (:meth:`take_cpu_events`).
+    decline_slow_loads, recompute_s_per_block, measure_recompute
+        Whether a lookup declines a lower tier's block that would arrive later
+        than recomputing it (:meth:`worth_loading`); what recomputing a block
+        costs, in seconds; and, without that, whether to measure it from the
+        time between :meth:`place` and :meth:`stored` (a front whose stores
+        follow the compute that made the blocks: vLLM's).
     clock
         Monotonic seconds (tests pass their own).
 
@@ -341,6 +376,9 @@ class Chain:
         known_limit: int = 1 << 20,
         policy: str = "lru",
         enable_events: bool = False,
+        decline_slow_loads: bool = True,
+        recompute_s_per_block: float | None = None,
+        measure_recompute: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cpu = cpu = ResidencyManager(rows, policy, tier="cpu", enable_events=enable_events)
@@ -369,6 +407,15 @@ class Chain:
         self._requests: dict[object, _Request] = {}
         """Requests looking up, least recently active first."""
         self._forget_after = max(60.0, 10 * lookup_deadline_s)
+        self._decide = decline_slow_loads
+        self._recompute = recompute_s_per_block
+        self._placed: dict[bytes, float] | None = (
+            {} if measure_recompute and recompute_s_per_block is None else None
+        )
+        """Measuring: when each key was placed (its compute's step began)."""
+        self._declined = 0
+        self._logged_declined = False
+        self._measured: float | None = None
         self._seq = 0
         self._lookup_reads: set[int] = set()
         """Reads that :meth:`lookup` started (vLLM's): a block they deliver is a lookup hit."""
@@ -424,12 +471,22 @@ class Chain:
             if not req.deferred:
                 req.since = None  # the last pass was answered: a new wait
             seen.clear()
+            req.from_lower.clear()
             req.deferred = False
         seen[key] = None
         if len(seen) > self._rows:
             self._lookups += 1
             self._row_limited += 1
             return Answer.MISS
+        if self._decide and key not in self._waiting and key not in self._cpu:
+            tier = self.lower_of(key)
+            if tier is not None:  # a read would start: is it worth it?
+                m = req.from_lower.get(tier, 0) + 1
+                if not self.worth_loading(tier, m):
+                    self._lookups += 1
+                    self._decline(tier)
+                    return Answer.MISS
+                req.from_lower[tier] = m
         answer = self._lookup(key)
         if answer is Answer.HIT:
             self._cpu.touch((key,))
@@ -523,6 +580,10 @@ class Chain:
         finally:
             if held:
                 self._cpu.complete_load(held)
+        if plan is not None and self._placed is not None:
+            now, placing = self._clock(), self._placed
+            for k in plan.keys:
+                placing[k] = now
         placed = 0 if plan is None else len(plan.keys)
         self._refusals += len(todo) - placed
         return plan
@@ -535,6 +596,8 @@ class Chain:
         """
         if not keys:
             return
+        if self._placed is not None:
+            self._measure_compute(keys, ok)
         self._cpu.complete_store(keys, ok)
         if ok:
             self._cpu_counts.blocks_in += len(keys)
@@ -612,16 +675,23 @@ class Chain:
         self._lookups += len(keys)
         in_cpu = n
         lower = self._lower
+        reads: list[int] = [0] * len(lower)
         for key in keys[n:] if n < len(keys) else ():
             if key in in_flight or cpu.is_ready(key):
                 in_cpu += 1
             else:
-                for tier in lower:
+                for i, tier in enumerate(lower):
                     if key in tier.known:
-                        tier.counts.lookup_hits += 1
+                        reads[i] += 1
+                        if self._decide and not self.worth_loading(i, reads[i]):
+                            self._decline(i)
+                            i = -1
                         break
                 else:
+                    i = -1
+                if i < 0:
                     break
+                lower[i].counts.lookup_hits += 1
             n += 1
         self._cpu_counts.lookup_hits += in_cpu
         if n:
@@ -644,6 +714,41 @@ class Chain:
                 break
             n += 1
         return n
+
+    def worth_loading(self, index: int, m: int) -> bool:
+        """Whether the ``m``-th block a request would read from lower tier ``index``
+        arrives before recomputing ``m`` blocks would end.
+
+        Arrival: the tier's measured seconds per delivered block times the
+        blocks queued on it ahead plus these ``m``; recompute: ``m`` times the
+        recompute cost, as set or measured. Without either measure yet, a load
+        is always worth it (the first reads of a tier measure it).
+        """
+        r = self._recompute
+        if r is None:
+            return True
+        tier = self._lower[index]
+        s = tier.s_per_block()
+        if s is None:
+            return True
+        return (tier.queued + m) * s <= m * r
+
+    def _decline(self, index: int) -> None:
+        self._declined += 1
+        tier = self._lower[index]
+        tier.counts.loads_declined += 1
+        if not self._logged_declined:
+            self._logged_declined = True
+            s = tier.s_per_block() or 0.0
+            log.warning(
+                "kvtier: a block of the %s tier answered as a miss: reading it (%.3g ms a "
+                "block, %d queued) would end after recomputing it (%.3g ms a block); "
+                "logged once, counted as loads_declined",
+                tier.spec.name,
+                s * 1e3,
+                tier.queued,
+                (self._recompute or 0.0) * 1e3,
+            )
 
     def lower_of(self, key: bytes) -> int | None:
         """The highest lower tier known to hold ``key``, or None (no side effect)."""
@@ -806,13 +911,15 @@ class Chain:
         """A snapshot of the counters."""
         tiers = {"cpu": replace(self._cpu_counts)}  # copies: the snapshot does not move
         for t in self._lower:
-            tiers[t.spec.name] = replace(t.counts)
+            tiers[t.spec.name] = replace(t.counts, read_s_per_block=t.s_per_block())
         return ChainStatistics(
             tiers=tiers,
             lookups=self._lookups,
             store_refusals=self._refusals,
             deadline_misses=self._late,
             row_limit_misses=self._row_limited,
+            loads_declined=self._declined,
+            recompute_s_per_block=self._recompute,
             rows_held_by_writes=len(self._write_pins),
         )
 
@@ -886,6 +993,19 @@ class Chain:
         if owed:
             self._mark_dirty(tier, owed)
 
+    def _measure_compute(self, keys: Sequence[bytes], ok: bool) -> None:
+        """A step computed ``keys`` between their placement and now: one sample of
+        the cost to compute a block (the slowest step bounds it from above)."""
+        placing = self._placed
+        assert placing is not None
+        since = [t for k in keys if (t := placing.pop(k, None)) is not None]
+        if not ok or not since:
+            return
+        sample = (self._clock() - min(since)) / len(keys)
+        old = self._measured
+        self._measured = sample if old is None else 0.8 * old + 0.2 * sample
+        self._recompute = self._measured
+
     def _next(self) -> int:
         self._seq += 1
         return self._seq
@@ -928,6 +1048,15 @@ class Chain:
         read = done.intent
         tier = self._lower[read.tier]
         good = [k for k in read.keys if k in done.loaded]
+        # The tier's cost per delivered block, over busy periods (overlapping
+        # reads count once), recent ones weighing most.
+        tier.reading -= 1
+        tier.queued -= len(read.keys)
+        tier.period_blocks += len(good)
+        if not tier.reading:
+            tier.busy = 0.8 * tier.busy + (self._clock() - tier.since)
+            tier.delivered = 0.8 * tier.delivered + tier.period_blocks
+            tier.period_blocks = 0
         bad = [k for k in read.keys if k not in done.loaded]
         if good:
             self._cpu.complete_store(good, True)
@@ -988,8 +1117,13 @@ class Chain:
         """Issue ``read``, or hold it while one of its rows is still being written back."""
         if self._evicting and any(s in self._evicting for s in read.slots):
             self._deferred.append(read)
-        else:
-            self._intents.append(read)
+            return
+        self._intents.append(read)
+        tier = self._lower[read.tier]
+        if not tier.reading:
+            tier.since = self._clock()
+        tier.reading += 1
+        tier.queued += len(read.keys)
 
     def _unpin_written(self, keys: Sequence[bytes]) -> None:
         self._cpu.complete_load(keys)

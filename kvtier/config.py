@@ -485,6 +485,19 @@ class KVTierConfig(_Frozen):
     ``None`` maps a private anonymous region."""
     world_size: int = Field(default=1, ge=1, le=1024, strict=True)
     """Worker processes sharing each row (tensor-parallel size)."""
+    decline_slow_loads: bool = False
+    """A lookup answers a block of a lower tier (file, cluster) as a miss when,
+    by what kvtier measured, it would arrive later than recomputing it: the
+    tier's delivered seconds per block times the blocks queued ahead, against
+    :attr:`recompute_s_per_block`. Counted as ``loads_declined``. Off by
+    default until the serving benchmark shows it never hurts; a set
+    ``recompute_s_per_block`` turns it on."""
+    recompute_s_per_block: float | None = Field(default=None, gt=0, le=3600)
+    """What computing one offloaded block costs the serving engine, in seconds;
+    setting it turns :attr:`decline_slow_loads` on. ``None``: measured where
+    kvtier sees the compute (under vLLM, from placement to the end of the store
+    of each step's new blocks) when :attr:`decline_slow_loads` is on, and
+    nothing declined where it does not see it (the Engine: its caller computes)."""
 
     @model_validator(mode="after")
     def _chain(self) -> KVTierConfig:

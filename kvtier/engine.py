@@ -413,6 +413,10 @@ class Engine:
             ],
             lookup_deadline_s=math.inf,
             policy=config.eviction_policy,
+            decline_slow_loads=config.decline_slow_loads
+            or config.recompute_s_per_block is not None,
+            # The caller computes: the Engine never sees it, so only a set cost declines.
+            recompute_s_per_block=config.recompute_s_per_block,
         )
         self._runtime = Runtime(
             self._chain,

@@ -54,6 +54,7 @@ __all__ = [
     "DEADLINE_MISSES",
     "EVENTS_DROPPED",
     "EVENTS_PUBLISHED",
+    "LOADS_DECLINED",
     "LOAD_SHORTFALLS",
     "LOOKUPS",
     "METRICS",
@@ -285,6 +286,14 @@ DEADLINE_MISSES = MetricSpec(
     (),
     fronts=("vllm",),
 )
+LOADS_DECLINED = MetricSpec(
+    "kvtier_loads_declined_total",
+    "counter",
+    "Lookups answered as misses because reading the block from a lower tier would have "
+    "ended after recomputing it (decline_slow_loads).",
+    (),
+    fronts=("vllm",),
+)
 ROW_LIMIT_MISSES = MetricSpec(
     "kvtier_lookup_row_limit_misses_total",
     "counter",
@@ -322,6 +331,7 @@ METRICS: tuple[MetricSpec, ...] = (
     WRITE_DURATION,
     DEADLINE_MISSES,
     ROW_LIMIT_MISSES,
+    LOADS_DECLINED,
     EVENTS_PUBLISHED,
     EVENTS_DROPPED,
     LOAD_SHORTFALLS,

@@ -148,3 +148,48 @@ async def test_a_prefix_longer_than_the_cpu_tier_is_served_in_part(tmp_path: Pat
         assert front.m.statistics()["row_limit_misses"] >= 1
     finally:
         await front.aclose()
+
+
+async def test_a_lower_tier_slower_than_recompute_is_declined(tmp_path: Path) -> None:
+    """Issue 43: with a recompute cost below what the file tier's reads measured, a
+    lookup answers the file's blocks as misses (vLLM recomputes them) and counts it."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
+    from kvtier.testing.chain import store_in_steps
+
+    config = offloading_config(
+        rows=4,
+        row_bytes=BLOCK_BYTES,
+        engine_id="decline",
+        extra={
+            "file_tier": {
+                "root": str(tmp_path / "kv"),
+                "bytes_to_use": FileTier.budget_for(64, BLOCK_BYTES),
+            },
+            "recompute_s_per_block": 1e-9,  # recomputing costs nothing: no read is worth it
+        },
+    )
+    front = VLLMFront(KVTierOffloadingSpec(config).get_manager())
+    try:
+        await store_in_steps(front, list(range(8)))  # 0-3 on file only
+        # The file tier is not measured yet: its blocks are read (and measured).
+        req = ReqContext(req_id="first")
+        deadline = time.monotonic() + WAIT_S
+        while (hits := await _prefix_pass(front, [0, 1], req)) is None:
+            assert time.monotonic() < deadline
+            front.m.on_schedule_end(None)
+            await asyncio.sleep(0.005)
+        assert hits == 2
+        front.m.on_request_finished(req)
+        stats = front.m.statistics()
+        assert stats["tiers"]["file"]["read_s_per_block"] is not None
+        # Measured now: a read of blocks 2 and 3 would end after their recompute.
+        later = ReqContext(req_id="later")
+        assert await _prefix_pass(front, [2, 3], later) == 0
+        stats = front.m.statistics()
+        assert stats["loads_declined"] == 1
+        assert stats["tiers"]["file"]["loads_declined"] == 1
+        assert stats["metrics"]["kvtier_loads_declined_total"][""] == 1
+    finally:
+        await front.aclose()

@@ -51,6 +51,7 @@ from kvtier.metrics import (
     DEADLINE_MISSES,
     EVENTS_DROPPED,
     EVENTS_PUBLISHED,
+    LOADS_DECLINED,
     LOOKUPS,
     READ_DURATION,
     ROW_LIMIT_MISSES,
@@ -144,6 +145,10 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             lookup_deadline_s=settings.lookup_deadline_s,
             policy=self._config.eviction_policy,
             enable_events=enable_events,
+            decline_slow_loads=self._config.decline_slow_loads
+            or self._config.recompute_s_per_block is not None,
+            recompute_s_per_block=self._config.recompute_s_per_block,
+            measure_recompute=True,  # a step's stores follow the compute that made them
         )
         # The file tier (the one tier of this instance's own) announces KV events.
         self._event_tier = self._tier_names.index("file") if "file" in self._tier_names else -1
@@ -445,6 +450,8 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             store_refusals=chain.store_refusals,
             deadline_misses=chain.deadline_misses,
             row_limit_misses=chain.row_limit_misses,
+            loads_declined=chain.loads_declined,
+            recompute_s_per_block=chain.recompute_s_per_block,
             promotions=sum(t.blocks_out for t in lower),
             promotion_failures=sum(t.read_failures for t in lower),
             file_writes=chain.tiers["file"].blocks_in if "file" in chain.tiers else 0,
@@ -486,6 +493,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 (LOOKUPS.name, ()): chain.lookups,
                 (DEADLINE_MISSES.name, ()): chain.deadline_misses,
                 (ROW_LIMIT_MISSES.name, ()): chain.row_limit_misses,
+                (LOADS_DECLINED.name, ()): chain.loads_declined,
                 (EVENTS_PUBLISHED.name, ()): self._n["events_published"],
                 (EVENTS_DROPPED.name, ()): self._n["events_dropped"],
             },

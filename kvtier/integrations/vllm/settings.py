@@ -38,6 +38,8 @@ _OWN_KEYS = frozenset(
         "statistics_file",
         "model_revision",
         "lookup_deadline_s",
+        "decline_slow_loads",
+        "recompute_s_per_block",
     }
 )
 
@@ -116,7 +118,14 @@ def parse_extra_config(
         )
     fields = {
         k: extra[k]
-        for k in ("cpu_bytes_to_use", "eviction_policy", "file_tier", "cluster_tier")
+        for k in (
+            "cpu_bytes_to_use",
+            "eviction_policy",
+            "file_tier",
+            "cluster_tier",
+            "decline_slow_loads",
+            "recompute_s_per_block",
+        )
         if k in extra
     }
     if "cluster_tier" in fields:
