@@ -8,7 +8,7 @@
   launch, compiled at run time by NVRTC and launched through the driver (both
   loaded at run time: it builds without CUDA too);
 * kvtier.tiers._blocks: the block headers and XXH3 checksums of both tiers
-  (kvtier.tiers.block_format; xxHash vendored as one header under kvtier/tiers/_xxhash/).
+  (kvtier.tiers.block_format; xxHash vendored as one header under kvtier/third_party/xxhash/).
 
 All are optional: where they cannot be built (no C compiler), the package
 installs without them and runs their pure-Python equivalents, slower.
@@ -52,10 +52,10 @@ setup(
         Extension(
             "kvtier.tiers._blocks",
             sources=["kvtier/tiers/_blocks.c"]
-            + (["kvtier/tiers/_xxhash/xxh_x86dispatch.c"] if _X86 else []),
+            + (["kvtier/third_party/xxhash/xxh_x86dispatch.c"] if _X86 else []),
             depends=[
-                "kvtier/tiers/_xxhash/xxhash.h",
-                "kvtier/tiers/_xxhash/xxh_x86dispatch.h",
+                "kvtier/third_party/xxhash/xxhash.h",
+                "kvtier/third_party/xxhash/xxh_x86dispatch.h",
             ],
             define_macros=[("KVTIER_XXH_DISPATCH", "1")] if _X86 else [],
             extra_compile_args=["-O2", "-std=c11"],

@@ -27,9 +27,9 @@ C_SOURCES = {
     "kvtier/transfer/_copy.c",
     "kvtier/transfer/_gather.c",
     "kvtier/tiers/_blocks.c",
-    "kvtier/tiers/_xxhash/xxh_x86dispatch.c",
-    "kvtier/tiers/_xxhash/xxh_x86dispatch.h",
-    "kvtier/tiers/_xxhash/xxhash.h",
+    "kvtier/third_party/xxhash/xxh_x86dispatch.c",
+    "kvtier/third_party/xxhash/xxh_x86dispatch.h",
+    "kvtier/third_party/xxhash/xxhash.h",
 }
 # What a build leaves in a checkout, and what never belongs in a distribution.
 _IGNORE = shutil.ignore_patterns(
@@ -75,7 +75,7 @@ def test_the_sdist_has_what_a_build_needs_and_the_licences(sdist: set[str]) -> N
     assert not missing, f"the sdist lacks {sorted(missing)}: it cannot build the extensions"
     for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
         assert name in sdist
-    assert "kvtier/tiers/_xxhash/LICENSE" in sdist
+    assert "kvtier/third_party/xxhash/LICENSE" in sdist
 
 
 def test_the_sdist_leaves_out_the_repository_only_parts(sdist: set[str]) -> None:
@@ -86,7 +86,7 @@ def test_the_sdist_leaves_out_the_repository_only_parts(sdist: set[str]) -> None
 
 def test_the_wheel_ships_both_licences(wheel: set[str]) -> None:
     licences = {n.split("/licenses/", 1)[1] for n in wheel if ".dist-info/licenses/" in n}
-    assert licences == {"LICENSE", "kvtier/tiers/_xxhash/LICENSE"}, sorted(wheel)
+    assert licences == {"LICENSE", "kvtier/third_party/xxhash/LICENSE"}, sorted(wheel)
 
 
 def test_the_wheel_has_no_c_source_or_header(wheel: set[str]) -> None:
@@ -97,7 +97,7 @@ def test_the_wheel_has_no_c_source_or_header(wheel: set[str]) -> None:
 def test_the_wheel_has_the_stubs_and_py_typed(wheel: set[str]) -> None:
     assert "kvtier/py.typed" in wheel
     stubs = {n for n in wheel if n.endswith(".pyi")}
-    assert {s.removesuffix(".c") + ".pyi" for s in C_SOURCES if "_xxhash" not in s} <= stubs
+    assert {s.removesuffix(".c") + ".pyi" for s in C_SOURCES if "third_party" not in s} <= stubs
 
 
 def test_the_licence_is_the_apache_licence() -> None:
@@ -105,4 +105,4 @@ def test_the_licence_is_the_apache_licence() -> None:
     assert "Apache License" in text
     assert "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text
-    assert "BSD 2-Clause" in (ROOT / "kvtier/tiers/_xxhash/LICENSE").read_text()
+    assert "BSD 2-Clause" in (ROOT / "kvtier/third_party/xxhash/LICENSE").read_text()

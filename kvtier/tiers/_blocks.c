@@ -11,7 +11,7 @@
  * those of kvtier/tiers/block_format.py (format version 1), which keeps the pure
  * Python equivalents used when this module is not built.
  *
- * XXH3 comes from the vendored single-header xxHash 0.8.3 (_xxhash/, BSD-2),
+ * XXH3 comes from the vendored single-header xxHash 0.8.3 (kvtier/third_party/xxhash/, BSD-2),
  * the same algorithm as the xxhash Python package's xxh3_64_intdigest.
  */
 #define PY_SSIZE_T_CLEAN
@@ -20,10 +20,10 @@
 #include <string.h>
 
 #define XXH_INLINE_ALL
-#include "_xxhash/xxhash.h"
+#include "../third_party/xxhash/xxhash.h"
 
 #ifdef KVTIER_XXH_DISPATCH
-/* x86-64: _xxhash/xxh_x86dispatch.c, built beside this file, picks the SSE2,
+/* x86-64: third_party/xxhash/xxh_x86dispatch.c, built beside this file, picks the SSE2,
    AVX2 or AVX-512 loop at run time (the default x86-64 target allows SSE2
    only: AVX2 hashes payloads about 1.5 times as fast here). */
 XXH64_hash_t XXH3_64bits_dispatch(XXH_NOESCAPE const void *input, size_t len);
