@@ -118,7 +118,7 @@ class Write:
     tier: int
     """Index of the tier in the chain's lower tiers."""
     keys: tuple[bytes, ...]
-    slots: tuple[int, ...]
+    rows: tuple[int, ...]
     """CPU row of each key."""
     evicting: bool = False
     """A write-back of blocks the CPU tier just evicted: their rows already
@@ -135,7 +135,8 @@ class Read:
 
     tier: int
     keys: tuple[bytes, ...]
-    slots: tuple[int, ...]
+    rows: tuple[int, ...]
+    """CPU row of each key."""
     seq: int = 0
     """As :attr:`Write.seq`."""
 
@@ -964,7 +965,7 @@ class Chain:
                 seq=self._next(),
             )
             self._intents.append(w)
-            for slot in w.slots:
+            for slot in w.rows:
                 self._evicting[slot] = w
 
     def _mark_dirty(self, tier: _Lower, keys: Sequence[bytes]) -> None:
@@ -1085,7 +1086,7 @@ class Chain:
         if not write.evicting:
             self._unpin_written(write.keys)
             return
-        for slot in write.slots:
+        for slot in write.rows:
             if self._evicting.get(slot) is write:
                 del self._evicting[slot]
         if self._deferred:
@@ -1115,7 +1116,7 @@ class Chain:
 
     def _read(self, read: Read) -> None:
         """Issue ``read``, or hold it while one of its rows is still being written back."""
-        if self._evicting and any(s in self._evicting for s in read.slots):
+        if self._evicting and any(s in self._evicting for s in read.rows):
             self._deferred.append(read)
             return
         self._intents.append(read)

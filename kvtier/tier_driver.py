@@ -93,7 +93,7 @@ class TierDriver:
                 self._warn(w.tier, "write", f"block {key.hex()} not written: {err}")
             return Written(w, frozenset((*res.stored, *res.skipped)), res.evicted)
 
-        self._start(w.tier, "write", lambda: tier.store(w.keys, self._rows(w.slots)), outcome)
+        self._start(w.tier, "write", lambda: tier.store(w.keys, self._rows(w.rows)), outcome)
 
     def _read(self, r: Read) -> None:
         tier = self.tiers[r.tier]
@@ -105,7 +105,7 @@ class TierDriver:
                 self._warn(r.tier, "read", f"block {key.hex()} not loaded: {err}")
             return ReadDone(r, frozenset(res.loaded))
 
-        self._start(r.tier, "read", lambda: tier.load(r.keys, self._rows(r.slots)), outcome)
+        self._start(r.tier, "read", lambda: tier.load(r.keys, self._rows(r.rows)), outcome)
 
     def _start(
         self,

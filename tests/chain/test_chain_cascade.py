@@ -226,7 +226,7 @@ def test_a_read_into_a_row_being_written_back_waits_for_that_write() -> None:
     chain.settle(Written(write, frozenset(write.keys)))
     (read,) = chain.take_intents()
     assert isinstance(read, Read)
-    assert read.slots == write.slots
+    assert read.rows == write.rows
 
 
 @pytest.mark.parametrize("ok", [True, False], ids=["copied", "copy-failed"])

@@ -266,7 +266,7 @@ async def test_write_back_on_eviction_holds_the_rows_until_written(tmp_path: Pat
         (write,) = a.chain.evicting_writes(plan)
         assert write.evicting
         assert set(write.keys) == set(plan.evicted)
-        assert set(write.slots) <= set(plan.slots)
+        assert set(write.rows) <= set(plan.slots)
         # A promotion into one of those rows waits for the write-back too.
         await a.step()
         assert a.chain.evicting_writes(plan) == ()
@@ -308,7 +308,7 @@ async def test_a_read_into_a_row_being_written_back_waits_for_it(tmp_path: Path)
         assert write.evicting
         (victim,) = write.keys
         assert victim in ks[:4]
-        assert write.slots == read.slots
+        assert write.rows == read.rows
         for intent in intents:
             a.driver.carry_out(intent)
         await a.settle(1)  # the write-back's outcome releases the read
