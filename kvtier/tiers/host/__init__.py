@@ -1,0 +1,29 @@
+"""The host tier: one CPU tier per host, in shared memory, shared by every instance on it.
+
+Its shared-memory core (issue 44, first step): not wired into the chain or the
+fronts yet. See ``docs/host-tier.md``.
+
+* ``_layout``: the segment file (``/dev/shm/kvtier.host.<namespace hex>``), its
+  header and geometry, its locks; creating, joining and removing it (:func:`reap_host_segments`);
+* ``_table``: the shared tables (rows, instances, leases) and the protocols on them;
+* ``_tier``: :class:`HostTier`, one instance's view: store, look up, load verified,
+  adopt, and its :class:`HostTierStatistics`.
+
+Every row carries :mod:`kvtier.tiers.block_format`'s header, as the file and
+cluster tiers' blocks do.
+"""
+
+from __future__ import annotations
+
+from kvtier.tiers.host._layout import SHM_DIR, Geometry, segment_path
+from kvtier.tiers.host._layout import reap as reap_host_segments
+from kvtier.tiers.host._tier import HostTier, HostTierStatistics
+
+__all__ = [
+    "SHM_DIR",
+    "Geometry",
+    "HostTier",
+    "HostTierStatistics",
+    "reap_host_segments",
+    "segment_path",
+]
