@@ -237,7 +237,7 @@ async def _run(args: argparse.Namespace, loop: _CountingLoop) -> list[Figures]:
             await Engine.open(config, layout, kv, backend="cpu") as engine,
             await Engine.open(config, layout, kv, backend="cpu", wrap_transfer=_NoCopy) as bare,
         ):
-            cap = engine.statistics().cpu.capacity
+            cap = engine.statistics().tiers["cpu"].statistics.capacity
             # Warm-up: threads started, code paths and allocators hot.
             for e in (engine, bare):
                 await _engine_pass(e, _requests(min(n, 20), blocks, salt=999), ids, loop)

@@ -49,8 +49,8 @@ async def main(root: Path) -> None:
         await engine.flush()  # wait for write-through to the file tier
         print(f"first request loaded {first} blocks, second {second}, unrelated {other}")
         assert (first, second, other) == (0, 12, 0)
-        st = engine.statistics()
-        print(f"CPU tier: {st.cpu.used}/{st.cpu.capacity} rows used")
+        cpu = engine.statistics().tiers["cpu"]
+        print(f"CPU tier: {cpu.statistics.used}/{cpu.statistics.capacity} rows used")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Only the names in ``__all__`` are the public API.
 from __future__ import annotations
 
 from kvtier.config import ClusterTierConfig, FileTierConfig, KVTierConfig
-from kvtier.engine import Engine, EngineStatistics, StoreSummary, TierCounters, TierReport
+from kvtier.engine import Engine, StoreSummary
 from kvtier.errors import (
     AlignmentError,
     BlockNotFoundError,
@@ -30,6 +30,7 @@ from kvtier.errors import (
 )
 from kvtier.keys import KEY_BYTES, chain_keys
 from kvtier.layout import KVLayout, TensorSpec
+from kvtier.runtime import FrontStatistics, TierReport
 from kvtier.workers import Worker, WorkerGroup
 
 __version__ = "0.1.0"
@@ -45,8 +46,8 @@ __all__ = [
     "ConfigurationError",
     "DirectIOUnsupportedError",
     "Engine",
-    "EngineStatistics",
     "FileTierConfig",
+    "FrontStatistics",
     "IntegrityError",
     "InvalidArgumentError",
     "KVLayout",
@@ -58,7 +59,6 @@ __all__ = [
     "SharedRegionError",
     "StoreSummary",
     "TensorSpec",
-    "TierCounters",
     "TierIOError",
     "TierReport",
     "TransferError",

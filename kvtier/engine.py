@@ -21,8 +21,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Literal, Self, cast
+from typing import TYPE_CHECKING, Literal, Self
 
 import numpy as np
 
@@ -32,10 +31,8 @@ from kvtier.chain import (
     Intent,
     LowerTier,
     Outcome,
-    Read,
     ReadDone,
     Write,
-    Written,
 )
 from kvtier.config import KVTierConfig
 from kvtier.errors import (
@@ -48,13 +45,11 @@ from kvtier.errors import (
 )
 from kvtier.keys import check_keys
 from kvtier.layout import KVLayout
-from kvtier.manager import ManagerStatistics, StorePlan
+from kvtier.manager import StorePlan
 from kvtier.region import CPURegion
-from kvtier.runtime import Runtime
-from kvtier.tiers.base import Refreshable, Tier, TierStatistics
-from kvtier.tiers.cluster import ClusterTierStatistics
+from kvtier.runtime import Busy, FrontCounts, FrontStatistics, Runtime
+from kvtier.tiers.base import Refreshable, Tier
 from kvtier.tiers.factory import aclose_tiers, open_tiers
-from kvtier.tiers.file import FileTierStatistics
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.device import (
     DeviceTransfer,
@@ -68,7 +63,7 @@ from kvtier.workers.group import WorkerGroup
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Engine", "EngineStatistics", "StoreSummary", "TierCounters"]
+__all__ = ["Engine", "StoreSummary"]
 
 log = logging.getLogger("kvtier.engine")
 
@@ -104,167 +99,6 @@ class StoreSummary:
     """Blocks not stored because no row could be freed (all pinned or in flight)."""
 
 
-@dataclass(frozen=True, slots=True)
-class TierCounters:
-    """What requests got from one tier, and what moved through it, as the engine saw it.
-
-    The CPU tier's traffic is device <-> CPU rows (``in``: stores, ``out``:
-    loads); a lower tier's (file, cluster) is CPU rows <-> that tier (``in``:
-    write-through, write-back and promotions from a tier below, ``out``:
-    promotions into CPU rows).
-    """
-
-    lookup_hits: int
-    """Keys that :meth:`Engine.lookup` counted in the loadable prefix and
-    attributed to this tier: the CPU tier when the block is ready there or its
-    store or promotion is in flight, else the first tier of the chain (file,
-    then cluster) that has it ready. Over all tiers they add up to
-    ``lookups - lookup_misses``."""
-    blocks_in: int
-    """Blocks written into this tier (completed copies only)."""
-    blocks_out: int
-    """Blocks read out of this tier (completed copies only)."""
-    bytes_in: int
-    """Bytes of ``blocks_in``."""
-    bytes_out: int
-    """Bytes of ``blocks_out``."""
-    seconds_in: float
-    """Time during which at least one job was writing into this tier (overlapping
-    jobs count once), so that ``bytes_in / seconds_in`` is the throughput while busy."""
-    seconds_out: float
-    """Time during which at least one job was reading out of this tier."""
-
-    @property
-    def gbps_in(self) -> float:
-        """Throughput into this tier while it was busy, in GB/s (0 with no traffic)."""
-        return self.bytes_in / self.seconds_in / 1e9 if self.seconds_in else 0.0
-
-    @property
-    def gbps_out(self) -> float:
-        """Throughput out of this tier while it was busy, in GB/s (0 with no traffic)."""
-        return self.bytes_out / self.seconds_out / 1e9 if self.seconds_out else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class TierReport:
-    """One tier of the chain in :attr:`EngineStatistics.tiers`: its own record and its traffic."""
-
-    statistics: TierStatistics | ManagerStatistics
-    """The tier's own statistics record (the CPU tier's residency manager's;
-    the file tier's :class:`FileTierStatistics`; the cluster tier's
-    :class:`ClusterTierStatistics`)."""
-    traffic: TierCounters
-    """What requests got from it, and what moved through it, as the engine saw it."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStatistics:
-    """A snapshot of every tier and of the engine's own counters.
-
-    :attr:`tiers` is the record of every tier by name (``cpu``, then the
-    chain's tiers in order): the way to read a tier, whatever tiers the chain
-    has. ``cpu_traffic``, ``file``, ``file_traffic``, ``cluster`` and
-    ``cluster_traffic`` are the same records under fixed names, kept for
-    code written before :attr:`tiers` (deprecated: they go in a later release).
-    """
-
-    tiers: Mapping[str, TierReport]
-    """Every tier's record and traffic, by name, highest tier first."""
-
-    cpu: ManagerStatistics
-    """Residency of the CPU region: capacity and usage in rows (= blocks), blocks
-    ready, being written, pinned and evictable, evictions. Its ``hits`` and
-    ``misses`` are the residency manager's own (keys ready in the CPU tier from
-    the first key of a lookup on); what requests got from each tier is
-    ``cpu_traffic.lookup_hits``, ``file_traffic.lookup_hits`` and
-    ``cluster_traffic.lookup_hits``."""
-    cpu_traffic: TierCounters
-    """Lookup hits of the CPU tier, and device <-> CPU traffic."""
-    file: FileTierStatistics | None
-    """The file tier's own statistics (occupancy, verification, recovery; its
-    ``hits`` are blocks read and verified), or None without a file tier."""
-    file_traffic: TierCounters | None
-    """Lookup hits of the file tier, and CPU <-> file traffic as the engine drove
-    it, or None without a file tier."""
-    cluster: ClusterTierStatistics | None
-    """The cluster tier's own statistics, of this instance (presence set,
-    verified reads, vanished blocks, verification failures, round trips,
-    faults), or None without a cluster tier."""
-    cluster_traffic: TierCounters | None
-    """Lookup hits of the cluster tier, and CPU <-> cluster traffic as the
-    engine drove it, or None without a cluster tier."""
-    lookups: int
-    """Keys passed to :meth:`Engine.lookup`."""
-    lookup_misses: int
-    """Keys past the loadable prefix in lookups (the first miss and after)."""
-    stores: int
-    """Calls to :meth:`Engine.store`."""
-    loads: int
-    """Calls to :meth:`Engine.load`."""
-    dropped: int
-    """Blocks a store could not place (no evictable row)."""
-    promotions: int
-    """Blocks read from a lower tier (file or cluster) into the CPU region."""
-    load_shortfalls: int
-    """Blocks a load had promised but could not deliver (I/O or integrity
-    failure, a block vanished from a shared tier, a node down)."""
-    write_through_failures: int
-    """Block writes to a lower tier that failed or were skipped (one per block
-    and tier; counted, logged)."""
-    write_backs: int
-    """CPU victims handed to a write-back tier on eviction or at close, one per
-    block and tier (those the tier already held are not written again)."""
-    abandoned_at_close: int
-    """Blocks :meth:`Engine.aclose` did not write to the lower tiers because its
-    timeout passed first (write-through or write-back still to start; logged)."""
-    in_flight: int
-    """Jobs running now."""
-
-
-@dataclass(slots=True)
-class _Counter:
-    blocks_in: int = 0
-    blocks_out: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    seconds_in: float = 0.0
-    seconds_out: float = 0.0
-    _active: list[int] = field(default_factory=lambda: [0, 0])  # [in, out]
-    _since: list[float] = field(default_factory=lambda: [0.0, 0.0])
-
-    def begin(self, into: bool) -> None:
-        """A job moving bytes into (or out of) the tier starts."""
-        i = 0 if into else 1
-        if self._active[i] == 0:
-            self._since[i] = time.perf_counter()
-        self._active[i] += 1
-
-    def end(self, into: bool, blocks: int, block_bytes: int) -> None:
-        """That job ended, having moved ``blocks`` of ``block_bytes`` (0 when it failed)."""
-        i = 0 if into else 1
-        self._active[i] -= 1
-        busy = time.perf_counter() - self._since[i] if self._active[i] == 0 else 0.0
-        if into:
-            self.blocks_in += blocks
-            self.bytes_in += blocks * block_bytes
-            self.seconds_in += busy
-        else:
-            self.blocks_out += blocks
-            self.bytes_out += blocks * block_bytes
-            self.seconds_out += busy
-
-    def freeze(self, lookup_hits: int) -> TierCounters:
-        return TierCounters(
-            lookup_hits,
-            self.blocks_in,
-            self.blocks_out,
-            self.bytes_in,
-            self.bytes_out,
-            self.seconds_in,
-            self.seconds_out,
-        )
-
-
 @dataclass(slots=True, eq=False)
 class _Link:
     """One tier of the chain below the CPU region, and how the engine drives it."""
@@ -276,7 +110,6 @@ class _Link:
     """Written when the CPU tier evicts a block (and at close), not at store."""
     promote_up: bool
     """Blocks promoted from this tier are also given to the tiers above it."""
-    traffic: _Counter = field(default_factory=_Counter)
 
 
 @dataclass(slots=True, eq=False)
@@ -441,19 +274,10 @@ class Engine:
         self._abandoning = False
         """Set once aclose's timeout has passed: no more writes to lower tiers."""
         self._close_task: asyncio.Task[None] | None = None
-        self._t_cpu = _Counter()
-        self._n = {
-            "lookups": 0,
-            "lookup_misses": 0,
-            "stores": 0,
-            "loads": 0,
-            "dropped": 0,
-            "promotions": 0,
-            "load_shortfalls": 0,
-            "write_through_failures": 0,
-            "write_backs": 0,
-            "abandoned_at_close": 0,
-        }
+        self._cpu_busy = Busy()
+        """The CPU tier's device copies, timed (the runtime times the lower tiers)."""
+        self._counts = FrontCounts()
+        """What the engine counts itself, beside the chain (:meth:`statistics`)."""
         self._runtime.start()  # what the tiers recovered; peers followed
 
     # -- the chain's intents and outcomes -------------------------------------------------
@@ -464,33 +288,20 @@ class Engine:
 
     def _began(self, intent: Intent) -> None:
         """An intent goes to its tier (the runtime's ``on_start``): writes are tracked
-        (a close waits for them), each tier's traffic timed."""
-        if isinstance(intent, Write):
-            if intent.evicting:
-                self._n["write_backs"] += len(intent.keys)
-            if (done := self._runtime.completion(intent)) is not None:
-                self._writes.add(done)
-                done.add_done_callback(self._writes.discard)
-            self._links[intent.tier].traffic.begin(True)
-        elif isinstance(intent, Read):
-            self._links[intent.tier].traffic.begin(False)
+        (a close waits for them)."""
+        if isinstance(intent, Write) and (done := self._runtime.completion(intent)) is not None:
+            self._writes.add(done)
+            done.add_done_callback(self._writes.discard)
 
     def _outcome(self, outcome: Outcome) -> None:
         """An intent's outcome, once the chain has it (the runtime's ``on_outcome``)."""
-        if isinstance(outcome, Written):
-            intent = outcome.intent
-            written = len(outcome.stored & set(intent.keys))
-            self._n["write_through_failures"] += len(intent.keys) - written
-            self._links[intent.tier].traffic.end(True, written, self._region.row_stride)
-        elif isinstance(outcome, ReadDone):
+        if isinstance(outcome, ReadDone):
             self._read_done(outcome)
 
     def _read_done(self, done: ReadDone) -> None:
         """A promotion's read ended: the chain made its blocks ready (or misses)."""
         read = done.intent
         good = [k for k in read.keys if k in done.loaded]
-        self._n["promotions"] += len(good)
-        self._links[read.tier].traffic.end(False, len(good), self._region.row_stride)
         job = self._read_jobs.pop(read.seq, None)
         if job is None:  # pragma: no cover - every read is the engine's
             return
@@ -688,7 +499,7 @@ class Engine:
             Seconds to wait for stores, loads and writes to lower tiers in
             flight, and for the write-through and write-back they lead to.
             Past it, blocks not yet handed to the lower tiers are abandoned:
-            each is counted in ``EngineStatistics.abandoned_at_close`` and a
+            each is counted in ``FrontStatistics.abandoned_at_close`` and a
             warning names how many. Writes already handed to a tier, and
             copies handed to hardware, are still waited for before memory is
             unmapped.
@@ -722,7 +533,7 @@ class Engine:
         await self._settle_until(deadline)
         if time.monotonic() < deadline:
             # Each write-back tier is given the blocks whose only copy is their row.
-            self._n["write_backs"] += self._chain.write_back()
+            self._chain.write_back()
             self._dispatch()
         await self._settle_until(deadline)
         # From here on nothing new goes to a lower tier: what a copy still
@@ -730,7 +541,7 @@ class Engine:
         self._abandoning = True
         self._runtime.stop_writes()
         if left := self._chain.abandon():
-            self._n["abandoned_at_close"] += left
+            self._counts.abandoned_at_close += left
             log.warning(
                 "aclose: %d blocks not written to the lower tiers (timeout reached); "
                 "they are lost with the CPU region",
@@ -756,7 +567,7 @@ class Engine:
 
     def _abandon_count(self, count: int) -> None:
         if count:
-            self._n["abandoned_at_close"] += count
+            self._counts.abandoned_at_close += count
             log.warning(
                 "aclose: %d blocks not written to the lower tiers (timeout reached); "
                 "they are lost with the CPU region",
@@ -837,8 +648,7 @@ class Engine:
         # The chain walks the tiers and credits each; the first key ends up most
         # recently used, so prefixes outlive tails.
         n = self._chain.prefix(keys, self._inflight)
-        self._n["lookups"] += len(keys)
-        self._n["lookup_misses"] += len(keys) - n
+        self._counts.lookup_misses += len(keys) - n
         return n
 
     async def refresh(self, keys: Sequence[bytes]) -> int:
@@ -932,7 +742,7 @@ class Engine:
         self._check_open()
         check_keys(keys)
         ids = check_block_ids(self._layout, device_block_ids, len(keys) * self._bpc, unique=True)
-        self._n["stores"] += 1
+        self._counts.stores += 1
         # A key already in the CPU tier (ready or being written) needs no copy; one
         # only in a lower tier is copied anyway: it is hot now, and that tier's
         # write skips it.
@@ -969,7 +779,7 @@ class Engine:
             todo = [k for k in todo if k not in placed]
             if not stream:
                 break  # no lower tier: reusing rows would evict this call's own prefix
-        self._n["dropped"] += len(todo)
+        self._counts.dropped += len(todo)
         return StoreSummary(stored, present, len(todo))
 
     async def _copy_in(self, plan: StorePlan, chosen: _Ids) -> None:
@@ -979,11 +789,11 @@ class Engine:
         inflight = self._inflight
         for k in plan.keys:
             inflight[k] = job
-        self._t_cpu.begin(True)
+        self._cpu_busy.begin(True)
 
         def copied(c: Completion[None]) -> None:
             ok = c.exception() is None and not cancelled
-            self._t_cpu.end(True, len(plan.keys) if ok else 0, self._row_bytes)
+            self._cpu_busy.end(True)
             # Ready in the CPU tier, and written through (or marked for write-back).
             self._chain.stored(plan.keys, ok, write_down=not self._abandoning)
             for k in plan.keys:
@@ -1175,7 +985,7 @@ class Engine:
         ids = check_block_ids(
             self._layout, device_block_ids, len(keys) * self._bpc - skip, unique=True
         )
-        self._n["loads"] += 1
+        self._counts.loads += 1
         if not keys:
             return 0
         chain, inflight = self._chain, self._inflight
@@ -1211,7 +1021,7 @@ class Engine:
         if st.error is not None:
             raise st.error
         if st.end < len(keys):
-            self._n["load_shortfalls"] += len(keys) - st.end
+            self._counts.load_shortfalls += len(keys) - st.end
         return st.end
 
     def _load_round(self, st: _Load) -> bool:
@@ -1318,7 +1128,7 @@ class Engine:
             ids = _window_ids(st.ids, where, self._bpc, st.skip)
             skip = st.skip if where[0] == 0 else 0
         slots = self._chain.pin_for_device_load(keys)
-        self._t_cpu.begin(False)
+        self._cpu_busy.begin(False)
         copy = _guarded(lambda: self._copy(False, slots, ids, skip))
         if copy.done():  # copied on this thread: unpinned before anything else runs
             self._loaded(st, keys, copy)
@@ -1341,7 +1151,7 @@ class Engine:
         """A copy of a load ended: unpin its rows, count it, keep its error."""
         self._chain.unpin_device_load(keys)
         exc = copy.exception()
-        self._t_cpu.end(False, len(keys) if exc is None else 0, self._row_bytes)
+        self._cpu_busy.end(False)
         if exc is not None and st.error is None:
             st.error = exc
 
@@ -1356,36 +1166,12 @@ class Engine:
 
     # -- statistics and helpers ---------------------------------------------------------
 
-    def statistics(self) -> EngineStatistics:
-        """A consistent snapshot of every tier's state and traffic."""
-        n = self._n
-        cpu_stats = self._chain.cpu_statistics()
-        hits = self._chain.statistics().tiers  # lookup hits: the chain credits each tier
-        cpu = TierReport(cpu_stats, self._t_cpu.freeze(hits["cpu"].lookup_hits))
-        tiers: dict[str, TierReport] = {"cpu": cpu}
-        for link in self._links:  # by name: each tier reports its own record
-            tiers[link.name] = TierReport(
-                link.tier.statistics(), link.traffic.freeze(hits[link.name].lookup_hits)
-            )
-        file, cluster = tiers.get("file"), tiers.get("cluster")
-        return EngineStatistics(
-            tiers=MappingProxyType(tiers),
-            cpu=cpu_stats,
-            cpu_traffic=cpu.traffic,
-            file=cast("FileTierStatistics", file.statistics) if file else None,
-            file_traffic=file.traffic if file else None,
-            cluster=cast("ClusterTierStatistics", cluster.statistics) if cluster else None,
-            cluster_traffic=cluster.traffic if cluster else None,
-            lookups=n["lookups"],
-            lookup_misses=n["lookup_misses"],
-            stores=n["stores"],
-            loads=n["loads"],
-            dropped=n["dropped"],
-            promotions=n["promotions"],
-            load_shortfalls=n["load_shortfalls"],
-            write_through_failures=n["write_through_failures"],
-            write_backs=n["write_backs"],
-            abandoned_at_close=n["abandoned_at_close"],
+    def statistics(self) -> FrontStatistics:
+        """A consistent snapshot of every tier's state and traffic, and the engine's counters."""
+        return self._runtime.statistics(
+            self._counts,
+            [link.tier.statistics() for link in self._links],
+            cpu_busy=self._cpu_busy,
             in_flight=len(self._pending),
         )
 

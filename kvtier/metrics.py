@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import CollectorRegistry
 
-    from kvtier.engine import Engine, EngineStatistics
+    from kvtier.engine import Engine
+    from kvtier.runtime import FrontStatistics, TierReport
 
 __all__ = [
     "DEADLINE_MISSES",
@@ -63,7 +64,6 @@ __all__ = [
     "ROW_LIMIT_MISSES",
     "TIER_METRICS",
     "WRITE_DURATION",
-    "Counted",
     "DeltaReporter",
     "KVTierCollector",
     "MetricSpec",
@@ -341,69 +341,38 @@ METRICS: tuple[MetricSpec, ...] = (
 _KIND = {spec.name: spec.kind for spec in METRICS}
 
 
-class Counted(Protocol):
-    """What a front counted for one tier: the engine's ``TierCounters``, a chain's counts."""
-
-    @property
-    def lookup_hits(self) -> int:
-        """Looked-up keys the tier served."""
-        ...
-
-    @property
-    def blocks_in(self) -> int:
-        """Blocks written into the tier (completed)."""
-        ...
-
-    @property
-    def blocks_out(self) -> int:
-        """Blocks read out of the tier (CPU: to the device; lower: into CPU rows)."""
-        ...
-
-
-Own = ManagerStatistics | TierStatistics
-
-
 def tier_metrics(
-    own: Own,
-    counted: Counted,
-    *,
-    row_bytes: int,
-    read_failures: int | None = None,
-    write_failures: int | None = None,
-    store_refusals: int | None = None,
+    report: TierReport[Any], *, row_bytes: int, store_refusals: int | None = None
 ) -> TierMetrics:
-    """One tier's figures from its own statistics and what the front counted for it.
+    """One tier's figures, from its :class:`~kvtier.runtime.TierReport`.
 
     Parameters
     ----------
-    own
-        The tier's own record: the CPU tier's residency (``ManagerStatistics``),
-        or a lower tier's ``statistics()``.
-    counted
-        What the front counted for it (lookup hits, blocks in and out).
+    report
+        The tier in a front's statistics (``statistics().tiers[name]``): its
+        own record and what the chain counted for it.
     row_bytes
         Payload bytes of one CPU row (the CPU tier's block).
-    read_failures, write_failures
-        A lower tier's failed reads and writes as the front counted them;
-        None takes the tier's own (``misses``, ``store_failures``).
     store_refusals
-        The CPU tier's refused blocks, as the front counted them.
+        The CPU tier's refused blocks, as the front reports them.
 
     Notes
     -----
     A lower tier's blocks and bytes read and written are its own counts, the
-    same under every front; the CPU tier's are the front's (the residency
-    manager moves no bytes).
+    same under every front; the CPU tier's are the chain's (the residency
+    manager moves no bytes). Busy seconds are left to the front
+    (:func:`engine_tiers`).
     """
+    own: ManagerStatistics | TierStatistics = report.statistics
     # One constructor call per tier (no dataclasses.replace): the vLLM front
-    # builds these at every scheduler step.
+    # builds these at every scheduler step that changed a figure.
     if isinstance(own, ManagerStatistics):
         return TierMetrics(
-            lookup_hits_total=counted.lookup_hits,
-            read_blocks_total=counted.blocks_out,
-            read_bytes_total=counted.blocks_out * row_bytes,
-            written_blocks_total=counted.blocks_in,
-            written_bytes_total=counted.blocks_in * row_bytes,
+            lookup_hits_total=report.lookup_hits,
+            read_blocks_total=report.blocks_out,
+            read_bytes_total=report.blocks_out * row_bytes,
+            written_blocks_total=report.blocks_in,
+            written_bytes_total=report.blocks_in * row_bytes,
             store_refusals_total=store_refusals,
             evictions_total=own.evictions,
             resident_blocks=own.used,
@@ -412,14 +381,14 @@ def tier_metrics(
             capacity_bytes=own.capacity * row_bytes,
         )
     figures: dict[str, Any] = {
-        "lookup_hits_total": counted.lookup_hits,
+        "lookup_hits_total": report.lookup_hits,
         "read_blocks_total": own.hits,
         "read_bytes_total": own.bytes_read,
         "written_blocks_total": own.stores,
         "written_bytes_total": own.bytes_written,
-        "promotions_total": counted.blocks_out,
-        "promotion_failures_total": own.misses if read_failures is None else read_failures,
-        "write_failures_total": own.store_failures if write_failures is None else write_failures,
+        "promotions_total": report.blocks_out,
+        "promotion_failures_total": report.read_failures,
+        "write_failures_total": report.write_failures,
         "resident_blocks": own.blocks,
     }
     if isinstance(own, HasMetrics):
@@ -429,10 +398,8 @@ def tier_metrics(
     return TierMetrics(**figures)
 
 
-def engine_tiers(stats: EngineStatistics, row_bytes: int) -> dict[str, TierMetrics]:
-    """Each tier of an engine's chain (CPU first) and its figures.
-
-    Every tier of :attr:`~kvtier.EngineStatistics.tiers`, by its name.
+def engine_tiers(stats: FrontStatistics, row_bytes: int) -> dict[str, TierMetrics]:
+    """Each tier of an engine's chain (CPU first) and its figures, busy seconds included.
 
     Parameters
     ----------
@@ -443,12 +410,11 @@ def engine_tiers(stats: EngineStatistics, row_bytes: int) -> dict[str, TierMetri
     """
     out: dict[str, TierMetrics] = {}
     for name, report in stats.tiers.items():
-        own, traffic = report.statistics, report.traffic
         refusals = stats.dropped if name == "cpu" else None
         out[name] = replace(
-            tier_metrics(own, traffic, row_bytes=row_bytes, store_refusals=refusals),
-            read_busy_seconds_total=traffic.seconds_out,
-            write_busy_seconds_total=traffic.seconds_in,
+            tier_metrics(report, row_bytes=row_bytes, store_refusals=refusals),
+            read_busy_seconds_total=report.seconds_out,
+            write_busy_seconds_total=report.seconds_in,
         )
     return out
 
@@ -491,7 +457,7 @@ def as_json(values: Samples) -> dict[str, dict[str, float]]:
     return out
 
 
-def engine_samples(stats: EngineStatistics, row_bytes: int) -> Samples:
+def engine_samples(stats: FrontStatistics, row_bytes: int) -> Samples:
     """Every metric of the Engine front, from one statistics snapshot."""
     return samples(
         engine_tiers(stats, row_bytes),
@@ -662,7 +628,7 @@ class KVTierCollector:
         """
         return self._families(engine_samples(self._statistics(), self._row_bytes))
 
-    def _statistics(self) -> EngineStatistics:
+    def _statistics(self) -> FrontStatistics:
         loop = self._loop
         if loop is None or loop.is_closed() or not loop.is_running():
             return self._engine.statistics()
@@ -673,7 +639,7 @@ class KVTierCollector:
         if here is loop:
             return self._engine.statistics()
 
-        async def snapshot() -> EngineStatistics:
+        async def snapshot() -> FrontStatistics:
             return self._engine.statistics()
 
         future = asyncio.run_coroutine_threadsafe(snapshot(), loop)

@@ -25,6 +25,12 @@ Two ways to hand outcomes back, one code path:
   which never waits; outcomes (and peers' changes, folded per key) are
   queued on the loop thread and settled by :meth:`Runtime.drain` at the
   start of every scheduler call.
+
+It also times each lower tier's reads and writes (:class:`Busy`) and makes
+the one statistics record both fronts return (:meth:`Runtime.statistics`):
+a :class:`TierReport` per tier, the chain's counts with the bytes and busy
+time beside them and the tier's own record, and the front's own counters
+(:class:`FrontCounts`) beside those, in a :class:`FrontStatistics`.
 """
 
 from __future__ import annotations
@@ -33,19 +39,211 @@ import asyncio
 import collections
 import contextlib
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
-from kvtier.chain import Chain, Intent, Outcome, TierChanged, Write, Written
+from kvtier.chain import (
+    Chain,
+    Intent,
+    Outcome,
+    Read,
+    ReadDone,
+    TierChanged,
+    TierCounts,
+    Write,
+    Written,
+)
+from kvtier.manager import ManagerStatistics
 from kvtier.region import CPURegion
 from kvtier.tier_driver import TierDriver
-from kvtier.tiers.base import Recovers, Tier, Watched
+from kvtier.tiers.base import Recovers, Tier, TierStatistics, Watched
 from kvtier.transfer.completion import Completion
 
-__all__ = ["Runtime"]
+__all__ = ["Busy", "FrontCounts", "FrontStatistics", "Runtime", "TierReport"]
 
 _SEED_TIMEOUT_S = 60.0
+
+
+# -- statistics -------------------------------------------------------------------------
+
+
+_S = TypeVar("_S", bound=ManagerStatistics | TierStatistics)
+"""A tier's own statistics record."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierReport(Generic[_S]):
+    """One tier of the chain, as a front reports it: its own record, and what moved through it.
+
+    The counters are the chain's (the same decisions under both fronts), with
+    their bytes and the time the tier was busy beside them. The CPU tier's
+    traffic is device <-> CPU rows (``in``: stores, ``out``: loads); a lower
+    tier's (file, cluster) is CPU rows <-> that tier (``in``: write-through,
+    write-back and promotions from a tier below; ``out``: promotions into CPU
+    rows).
+    """
+
+    statistics: _S
+    """The tier's own record: the CPU tier's residency (``ManagerStatistics``:
+    capacity, used, ready, pinned, evictable, evictions; its ``hits`` and
+    ``misses`` are the residency manager's own), the file tier's
+    ``FileTierStatistics``, the cluster tier's ``ClusterTierStatistics``
+    (occupancy, verification, recovery, faults: what the tier itself saw).
+    In :attr:`FrontStatistics.tiers` its type is per name, so ``Any`` there:
+    ``cpu: TierReport[ManagerStatistics] = st.tiers["cpu"]`` names it."""
+    lookup_hits: int = 0
+    """Looked-up keys this tier served. The Engine's :meth:`~kvtier.Engine.lookup`
+    credits the CPU tier with a key ready there or whose store or promotion is
+    in flight, else the first lower tier that holds it; under vLLM, the CPU
+    tier's hits and the blocks a lower tier's read delivered for a lookup."""
+    blocks_in: int = 0
+    """Blocks written into the tier (completed): device blocks copied into CPU
+    rows; CPU rows written to a lower tier (through, back, or promoted up)."""
+    blocks_out: int = 0
+    """Blocks read out of the tier: CPU rows pinned for a copy to the device
+    (loads); a lower tier's blocks read and verified into CPU rows (promotions)."""
+    bytes_in: int = 0
+    """Payload bytes of ``blocks_in`` (a CPU row's, every rank's slice)."""
+    bytes_out: int = 0
+    """Payload bytes of ``blocks_out``."""
+    seconds_in: float = 0.0
+    """Time during which at least one write into the tier ran (overlapping jobs
+    count once), so that ``bytes_in / seconds_in`` is the throughput while busy.
+    A lower tier's: from each write's start to its outcome, under both fronts;
+    the CPU tier's: the Engine's device copies (0 under vLLM, whose workers copy)."""
+    seconds_out: float = 0.0
+    """The same for reads out of the tier."""
+    read_failures: int = 0
+    """Blocks a read from this lower tier did not deliver (absent, vanished,
+    damaged, an I/O error, the tier refusing the read): each is a miss."""
+    write_failures: int = 0
+    """Blocks whose write into this lower tier failed or could not start (an I/O
+    error, no room, the tier still recovering, a close past its timeout)."""
+    write_backs: int = 0
+    """Blocks handed to this write-back tier (evicted from the CPU tier, or at
+    close), one per block it lacked."""
+    probes: int = 0
+    """Keys asked of this shared tier (which of them it holds)."""
+    loads_declined: int = 0
+    """Blocks of this lower tier that lookups answered as misses because their
+    read would have ended after recomputing them (``decline_slow_loads``)."""
+    read_s_per_block: float | None = None
+    """Seconds of reading per block this lower tier delivered lately (what the
+    chain expects a new read to cost); None before any."""
+
+    @property
+    def gbps_in(self) -> float:
+        """Throughput into this tier while it was busy, in GB/s (0 with no traffic)."""
+        return self.bytes_in / self.seconds_in / 1e9 if self.seconds_in else 0.0
+
+    @property
+    def gbps_out(self) -> float:
+        """Throughput out of this tier while it was busy, in GB/s (0 with no traffic)."""
+        return self.bytes_out / self.seconds_out / 1e9 if self.seconds_out else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class FrontStatistics:
+    """A snapshot of a front: every tier, and the front's own counters beside them.
+
+    ``Engine.statistics()`` and the vLLM front's ``statistics()`` return it;
+    the vLLM front's ``statistics_file`` is its :func:`dataclasses.asdict`
+    (with the metrics' totals under ``metrics``). Each figure has one name;
+    a figure that only one front has is 0 under the other (each says which).
+    """
+
+    tiers: Mapping[str, TierReport[Any]]
+    """Every tier by name (``cpu``, then the chain's lower tiers in order):
+    ``tiers["file"].statistics.quarantined``, ``tiers["cpu"].lookup_hits``."""
+    lookups: int
+    """Keys looked up: every key of an Engine :meth:`~kvtier.Engine.lookup`;
+    under vLLM every lookup call (a key asked again at a later step counts again)."""
+    lookup_misses: int
+    """Lookups no tier served: the Engine's keys past the loadable prefix (with
+    every tier's ``lookup_hits`` they add up to ``lookups``); under vLLM the
+    lookups answered as a miss."""
+    stores: int
+    """Store calls: :meth:`~kvtier.Engine.store`; under vLLM, ``prepare_store``
+    calls that placed blocks (one copy job each)."""
+    loads: int
+    """Load calls: :meth:`~kvtier.Engine.load`; under vLLM, ``prepare_load`` calls."""
+    store_refusals: int
+    """Blocks the CPU tier had no row for when offered (every row pinned or held
+    by writes), counted each time: vLLM offers them again at its next step, an
+    Engine store awaits room."""
+    dropped: int
+    """Blocks an Engine store gave up on: no row could be freed (Engine only)."""
+    load_shortfalls: int
+    """Blocks an Engine load had promised but could not deliver (an I/O or
+    integrity failure, a block vanished from a shared tier, a node down;
+    Engine only)."""
+    deadline_misses: int
+    """Lookups answered as misses because a lower tier's read or probe, or the
+    request's wait, outlasted ``lookup_deadline_s`` (vLLM only)."""
+    row_limit_misses: int
+    """Lookups answered as misses because the request's prefix before them
+    already needed every CPU row (vLLM only)."""
+    loads_declined: int
+    """Lookups answered as misses because reading the block from a lower tier
+    would have ended after recomputing it (per tier: ``loads_declined``)."""
+    recompute_s_per_block: float | None
+    """What recomputing one block costs, as set or measured; None: unknown."""
+    rows_held_by_writes: int
+    """CPU rows pinned now for writes to lower tiers."""
+    abandoned_at_close: int
+    """Blocks :meth:`~kvtier.Engine.aclose` did not write to the lower tiers
+    because its timeout passed first (logged; Engine only)."""
+    in_flight: int
+    """Engine jobs (device copies, promotions) running now (Engine only)."""
+    events_published: int
+    """Keys announced in KV cache events (vLLM only)."""
+    events_dropped: int
+    """Keys of KV cache events dropped because nobody took them (vLLM only)."""
+
+
+@dataclass(slots=True)
+class FrontCounts:
+    """What a front counts itself, beside the chain: :class:`FrontStatistics`'s names."""
+
+    lookup_misses: int = 0
+    stores: int = 0
+    loads: int = 0
+    dropped: int = 0
+    load_shortfalls: int = 0
+    abandoned_at_close: int = 0
+    events_published: int = 0
+    events_dropped: int = 0
+
+
+@dataclass(slots=True)
+class Busy:
+    """Time during which at least one job ran, each way (overlapping jobs count once)."""
+
+    seconds_in: float = 0.0
+    seconds_out: float = 0.0
+    _active: list[int] = field(default_factory=lambda: [0, 0])  # [in, out]
+    _since: list[float] = field(default_factory=lambda: [0.0, 0.0])
+
+    def begin(self, into: bool) -> None:
+        """A job moving bytes into (or out of) the tier starts."""
+        i = 0 if into else 1
+        if self._active[i] == 0:
+            self._since[i] = time.perf_counter()
+        self._active[i] += 1
+
+    def end(self, into: bool) -> None:
+        """That job ended."""
+        i = 0 if into else 1
+        self._active[i] -= 1
+        if self._active[i] == 0:
+            busy = time.perf_counter() - self._since[i]
+            if into:
+                self.seconds_in += busy
+            else:
+                self.seconds_out += busy
 
 
 class Runtime:
@@ -65,7 +263,8 @@ class Runtime:
         False: the owner runs on ``loop`` (outcomes settled at once). True:
         the owner is another thread (outcomes queued until :meth:`drain`).
     on_start
-        Called on the loop as each intent is carried out (e.g. to time it).
+        Called on the loop as each intent is carried out (e.g. to track it; the
+        runtime times the tiers itself, :meth:`statistics`).
     on_end
         Called on the loop as each intent's outcome arrives, before it is
         settled or queued (e.g. to time it).
@@ -112,6 +311,9 @@ class Runtime:
         self._on_handed = on_handed
         self._on_tier_call = on_tier_call
         self._driver = TierDriver(tiers, names, region, self._arrived, on_tier_call)
+        self._busy = [Busy() for _ in self.tiers]
+        """Each lower tier's reads and writes, timed on the tiers' loop."""
+        self._row_bytes = region.slice_bytes * region.world_size
         self._done: dict[int, Completion[None]] = {}
         """Inline: the completion of each intent carried out and not settled yet, by seq."""
         # Queued: filled on the loop thread, drained on the owner's. Deque
@@ -207,6 +409,68 @@ class Runtime:
         for task in list(self._seeding):
             task.cancel()
 
+    def statistics(
+        self,
+        counts: FrontCounts,
+        records: Sequence[TierStatistics],
+        *,
+        cpu_busy: Busy | None = None,
+        in_flight: int = 0,
+    ) -> FrontStatistics:
+        """The front's statistics now: the chain's counts per tier, their bytes and busy
+        time, each tier's own record, and the front's ``counts``.
+
+        ``records`` are the lower tiers' own records, in order (taken where the
+        tiers run); ``cpu_busy`` times the CPU tier's device copies, where the
+        front runs them.
+        """
+        chain = self.chain.statistics()
+        counted = chain.tiers
+        cpu = self._report(self.chain.cpu_statistics(), counted["cpu"], cpu_busy)
+        tiers: dict[str, TierReport[Any]] = {"cpu": cpu}
+        for name, record, busy in zip(self.names, records, self._busy, strict=True):
+            tiers[name] = self._report(record, counted[name], busy)
+        return FrontStatistics(
+            tiers=tiers,
+            lookups=chain.lookups,
+            lookup_misses=counts.lookup_misses,
+            stores=counts.stores,
+            loads=counts.loads,
+            store_refusals=chain.store_refusals,
+            dropped=counts.dropped,
+            load_shortfalls=counts.load_shortfalls,
+            deadline_misses=chain.deadline_misses,
+            row_limit_misses=chain.row_limit_misses,
+            loads_declined=chain.loads_declined,
+            recompute_s_per_block=chain.recompute_s_per_block,
+            rows_held_by_writes=chain.rows_held_by_writes,
+            abandoned_at_close=counts.abandoned_at_close,
+            in_flight=in_flight,
+            events_published=counts.events_published,
+            events_dropped=counts.events_dropped,
+        )
+
+    def _report(
+        self, own: ManagerStatistics | TierStatistics, n: TierCounts, busy: Busy | None
+    ) -> TierReport[Any]:
+        row = self._row_bytes
+        return TierReport(
+            own,
+            lookup_hits=n.lookup_hits,
+            blocks_in=n.blocks_in,
+            blocks_out=n.blocks_out,
+            bytes_in=n.blocks_in * row,
+            bytes_out=n.blocks_out * row,
+            seconds_in=busy.seconds_in if busy is not None else 0.0,
+            seconds_out=busy.seconds_out if busy is not None else 0.0,
+            read_failures=n.read_failures,
+            write_failures=n.write_failures,
+            write_backs=n.write_backs,
+            probes=n.probes,
+            loads_declined=n.loads_declined,
+            read_s_per_block=n.read_s_per_block,
+        )
+
     # -- the tiers' loop ------------------------------------------------------------------
 
     def hand_over(self, value: object) -> None:
@@ -218,15 +482,23 @@ class Runtime:
             if self._writes_stopped and isinstance(intent, Write):
                 self.abandoned += len(intent.keys)
                 self._dropped.add(intent.seq)
-                self._arrived(Written(intent, frozenset()))
+                self._post(Written(intent, frozenset()))  # never started: not timed
                 continue
             if self._on_start is not None:
                 self._on_start(intent)
+            if isinstance(intent, Write | Read):
+                self._busy[intent.tier].begin(isinstance(intent, Write))
             self._driver.carry_out(intent)
 
     def _arrived(self, outcome: Outcome) -> None:
+        """An outcome from the driver: timed, then settled or queued."""
+        if isinstance(outcome, Written | ReadDone):
+            self._busy[outcome.intent.tier].end(isinstance(outcome, Written))
         if self._on_end is not None and not isinstance(outcome, TierChanged):
             self._on_end(outcome)
+        self._post(outcome)
+
+    def _post(self, outcome: Outcome) -> None:
         if self._queued:
             self._queue.append(outcome)
         else:

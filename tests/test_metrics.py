@@ -107,13 +107,11 @@ async def test_engine_metrics_scraped_over_http(tmp_path: Path) -> None:
         st = engine.statistics()
         row_bytes = engine.layout.bytes_per_chunk
         got = scraped(text)
-    assert st.file is not None
-    assert st.file_traffic is not None
 
     assert value(got, "kvtier_lookups_total") == st.lookups == 8
     cpu_hits = value(got, "kvtier_lookup_hits_total", tier="cpu")
     file_hits = value(got, "kvtier_lookup_hits_total", tier="file")
-    assert (cpu_hits, file_hits) == (st.cpu_traffic.lookup_hits, st.file_traffic.lookup_hits)
+    assert (cpu_hits, file_hits) == (st.tiers["cpu"].lookup_hits, st.tiers["file"].lookup_hits)
     assert cpu_hits + file_hits == 8
     assert file_hits > 0
     # The CPU tier: device <-> rows, in whole rows.
@@ -126,14 +124,26 @@ async def test_engine_metrics_scraped_over_http(tmp_path: Path) -> None:
     assert value(got, "kvtier_store_refusals_total", tier="cpu") == 0
     # The file tier: written through, promoted back, verified, recovered at open.
     assert value(got, "kvtier_written_blocks_total", tier="file") == 8
-    assert value(got, "kvtier_written_bytes_total", tier="file") == st.file.bytes_written > 0
-    assert value(got, "kvtier_promotions_total", tier="file") == st.file_traffic.blocks_out >= 4
-    assert value(got, "kvtier_read_bytes_total", tier="file") == st.file.bytes_read > 0
+    assert (
+        value(got, "kvtier_written_bytes_total", tier="file")
+        == st.tiers["file"].statistics.bytes_written
+        > 0
+    )
+    assert value(got, "kvtier_promotions_total", tier="file") == st.tiers["file"].blocks_out >= 4
+    assert (
+        value(got, "kvtier_read_bytes_total", tier="file")
+        == st.tiers["file"].statistics.bytes_read
+        > 0
+    )
     assert value(got, "kvtier_write_busy_seconds_total", tier="file") > 0
     assert value(got, "kvtier_promotion_failures_total", tier="file") == 0
     assert value(got, "kvtier_quarantined_blocks_total", tier="file") == 0
     assert value(got, "kvtier_resident_blocks", tier="file") == 8
-    assert value(got, "kvtier_capacity_bytes", tier="file") == st.file.capacity_bytes > 0
+    assert (
+        value(got, "kvtier_capacity_bytes", tier="file")
+        == st.tiers["file"].statistics.capacity_bytes
+        > 0
+    )
     assert value(got, "kvtier_recovery_state", tier="file", state="complete") == 1
     assert value(got, "kvtier_recovery_state", tier="file", state="running") == 0
     assert value(got, "kvtier_load_shortfalls_total") == 0

@@ -41,9 +41,8 @@ def test_the_scheduler_starts_with_the_cluster_unreachable() -> None:
     manager = _spec(UNREACHABLE).get_manager()
     try:
         assert time.monotonic() - t0 < 10.0
-        st = manager.statistics()
-        assert st["cluster"]["nodes_down"] == 1
-        assert st["cluster"]["outages"] == 1
+        cluster = manager.statistics().tiers["cluster"].statistics
+        assert (cluster.nodes_down, cluster.outages) == (1, 1)
     finally:
         manager.shutdown()
 

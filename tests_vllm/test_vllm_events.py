@@ -110,7 +110,7 @@ def test_events_follow_both_tiers(model_dir: Path, tmp_path: Path) -> None:
         sub.close()
     st = read_statistics(stats)
     assert st["events_dropped"] == 0
-    assert st["cpu"]["capacity"] == CPU_ROWS
+    assert st["tiers"]["cpu"]["statistics"]["capacity"] == CPU_ROWS
 
     cpu, cpu_stored, cpu_removed = _replay(sub.events, "CPU")
     disk, disk_stored, disk_removed = _replay(sub.events, "STORAGE")

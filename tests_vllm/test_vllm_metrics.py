@@ -58,7 +58,7 @@ def test_get_stats_reports_what_build_metric_definitions_declares(manager: Any) 
     out = manager.prepare_store(keys, ctx)
     manager.complete_store(out.keys_to_store, ctx)
     deadline = time.monotonic() + 10
-    while manager.statistics()["file_writes"] < 4 and time.monotonic() < deadline:
+    while manager.statistics().tiers["file"].blocks_in < 4 and time.monotonic() < deadline:
         manager.on_schedule_end(None)
         time.sleep(0.01)
     assert [manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 4
@@ -94,7 +94,7 @@ def test_get_stats_reports_what_build_metric_definitions_declares(manager: Any) 
     manager.lookup(keys[0], ctx)
     assert _reported(manager.get_stats())["kvtier_lookups_total"] == {(): 1}
     # The statistics_file carries the same names, with totals.
-    totals = manager.statistics()["metrics"]
+    totals = manager.statistics_json()["metrics"]
     assert totals["kvtier_lookups_total"] == {"": 5}
     assert totals["kvtier_lookup_hits_total"]["cpu"] == 5
 

@@ -79,10 +79,13 @@ def test_two_live_instances_share_one_root(model_dir: Path, tmp_path: Path) -> N
         assert got_b.num_cached_tokens == SHARED
         st_b = read_statistics(stats_b)
         assert st_b["tiers"]["file"]["lookup_hits"] >= SHARED // BLOCK_TOKENS
-        assert st_b["file"]["partition"].endswith(".1")
-        assert st_b["file"]["peer_hits"] >= SHARED // BLOCK_TOKENS
-        assert st_b["file"]["peer_stale"] == 0
-        assert st_b["file"]["quarantined"] == 0
+        assert st_b["tiers"]["file"]["statistics"]["partition"].endswith(".1")
+        assert st_b["tiers"]["file"]["statistics"]["peer_hits"] >= SHARED // BLOCK_TOKENS
+        assert st_b["tiers"]["file"]["statistics"]["peer_stale"] == 0
+        assert st_b["tiers"]["file"]["statistics"]["quarantined"] == 0
     st_a = read_statistics(stats_a)
-    assert st_a["file"]["partition"] == (st_b["file"]["partition"]).split(".")[0]
-    assert st_a["file"]["stores"] >= SHARED // BLOCK_TOKENS
+    assert (
+        st_a["tiers"]["file"]["statistics"]["partition"]
+        == st_b["tiers"]["file"]["statistics"]["partition"].split(".")[0]
+    )
+    assert st_a["tiers"]["file"]["statistics"]["stores"] >= SHARED // BLOCK_TOKENS

@@ -1,6 +1,6 @@
 """What the demo takes from the engine's statistics.
 
-Every field of :class:`~kvtier.engine.EngineStatistics` that the demo reads is
+Every field of :class:`~kvtier.runtime.FrontStatistics` that the demo reads is
 read in :func:`read_statistics`, and nowhere else: the serving loop
 (:mod:`kvtier.demo.serving`) takes its figures here, and the report
 (:mod:`kvtier.demo.report`) prints them.
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.engine import EngineStatistics
+from kvtier.manager import ManagerStatistics
+from kvtier.runtime import FrontStatistics, TierReport
+from kvtier.tiers.file import FileTierStatistics
 
 __all__ = ["TierFigures", "read_statistics"]
 
@@ -39,17 +41,18 @@ class TierFigures:
     """Blocks a store could not place."""
 
 
-def read_statistics(st: EngineStatistics) -> TierFigures:
+def read_statistics(st: FrontStatistics) -> TierFigures:
     """The demo's view of ``st``: the one place that names its fields."""
-    file_traffic, file_tier = st.file_traffic, st.file
+    cpu: TierReport[ManagerStatistics] = st.tiers["cpu"]
+    file: TierReport[FileTierStatistics] | None = st.tiers.get("file")
     return TierFigures(
-        cpu_hits=st.cpu_traffic.lookup_hits,
-        file_hits=0 if file_traffic is None else file_traffic.lookup_hits,
-        cpu_capacity=st.cpu.capacity,
-        cpu_evictions=st.cpu.evictions,
-        file_blocks=0 if file_tier is None else file_tier.blocks,
-        file_evictions=0 if file_tier is None else file_tier.evictions,
-        promotions=st.promotions,
+        cpu_hits=cpu.lookup_hits,
+        file_hits=0 if file is None else file.lookup_hits,
+        cpu_capacity=cpu.statistics.capacity,
+        cpu_evictions=cpu.statistics.evictions,
+        file_blocks=0 if file is None else file.statistics.blocks,
+        file_evictions=0 if file is None else file.statistics.evictions,
+        promotions=0 if file is None else file.blocks_out,
         load_shortfalls=st.load_shortfalls,
         dropped=st.dropped,
     )

@@ -106,9 +106,7 @@ async def load_checked(engine: Engine, kv: list[torch.Tensor], keys: list[bytes]
 
 def lookups_add_up(engine: Engine) -> None:
     st = engine.statistics()
-    hits = st.cpu_traffic.lookup_hits
-    hits += st.file_traffic.lookup_hits if st.file_traffic else 0
-    hits += st.cluster_traffic.lookup_hits if st.cluster_traffic else 0
+    hits = sum(tier.lookup_hits for tier in st.tiers.values())
     assert hits + st.lookup_misses == st.lookups
 
 
@@ -119,30 +117,24 @@ async def test_cpu_then_cluster_streams_and_loads(valkey_cluster: ValkeyCluster)
         # More blocks than CPU rows: they stream through the rows to the cluster.
         await store_keys(engine, kv, keys)
         st = engine.statistics()
-        assert st.file is None
-        assert st.file_traffic is None
-        assert st.cluster is not None
-        assert st.cluster_traffic is not None
-        assert st.cluster_traffic.blocks_in == 24
-        assert st.cluster.stores == 24
+        assert list(st.tiers) == ["cpu", "cluster"]
+        assert st.tiers["cluster"].blocks_in == 24
+        assert st.tiers["cluster"].statistics.stores == 24
         assert engine.lookup(keys) == 24
         st = engine.statistics()
-        assert st.cluster_traffic is not None
-        assert st.cluster_traffic.lookup_hits == 16  # the CPU tier kept the last 8
-        assert st.cpu_traffic.lookup_hits == 8
+        assert st.tiers["cluster"].lookup_hits == 16  # the CPU tier kept the last 8
+        assert st.tiers["cpu"].lookup_hits == 8
         lookups_add_up(engine)
         assert await load_checked(engine, kv, keys[:8]) == 8
-        st = engine.statistics()
-        assert st.cluster_traffic is not None
-        assert st.cluster_traffic.blocks_out == 8
-        assert st.promotions == 8
-        # EngineStatistics covers the cluster tier: blocks, bytes, hits, misses,
-        # verification failures, round trips.
-        assert st.cluster is not None
-        assert st.cluster.round_trips > 0
-        assert (st.cluster.blocks, st.cluster.hits, st.cluster.misses) == (24, 8, 0)
-        assert (st.cluster.bytes_written, st.cluster.bytes_read) == (24 * ROW, 8 * ROW)
-        assert st.cluster.verification_failures == 0
+        tier = engine.statistics().tiers["cluster"]
+        assert (tier.blocks_out, tier.bytes_out, tier.read_failures) == (8, 8 * ROW, 0)
+        # The tier's own record: blocks, bytes, hits, misses, verification
+        # failures, round trips.
+        own = tier.statistics
+        assert own.round_trips > 0
+        assert (own.blocks, own.hits, own.misses) == (24, 8, 0)
+        assert (own.bytes_written, own.bytes_read) == (24 * ROW, 8 * ROW)
+        assert own.verification_failures == 0
 
 
 async def test_a_load_larger_than_the_cpu_tier_streams_from_the_cluster(
@@ -153,12 +145,13 @@ async def test_a_load_larger_than_the_cpu_tier_streams_from_the_cluster(
         keys = keys_for(first, 40, salt=6)
         await store_keys(first, kv1, keys)  # 40 blocks through 8 CPU rows
         assert await second.refresh(keys) == 40
-        assert second.statistics().cpu.ready == 0
+        assert second.statistics().tiers["cpu"].statistics.ready == 0
         # The second engine's 8 rows take the blocks window after window.
         assert await second.load(keys, list(range(40))) == 40
         assert all(holds(kv2, b, k) for b, k in enumerate(keys))
         st = second.statistics()
-        assert (st.promotions, st.load_shortfalls, st.cpu.pinned) == (40, 0, 0)
+        promoted, pinned = st.tiers["cluster"].blocks_out, st.tiers["cpu"].statistics.pinned
+        assert (promoted, st.load_shortfalls, pinned) == (40, 0, 0)
 
 
 async def test_a_second_engine_loads_through_refresh(valkey_cluster: ValkeyCluster) -> None:
@@ -170,10 +163,8 @@ async def test_a_second_engine_loads_through_refresh(valkey_cluster: ValkeyClust
         assert await second.refresh(keys) == 6
         assert await load_checked(second, kv2, keys) == 6
         st = second.statistics()
-        assert st.cluster_traffic is not None
-        assert st.cluster_traffic.lookup_hits == 6
-        assert st.cluster is not None
-        assert st.cluster.exists_queries == 6
+        assert st.tiers["cluster"].lookup_hits == 6
+        assert st.tiers["cluster"].statistics.exists_queries == 6
         lookups_add_up(second)
 
 
@@ -189,20 +180,16 @@ async def test_cpu_file_cluster_promotes_by_policy(
         keys = keys_for(first, 6, salt=3)
         await store_keys(first, kv1, keys)
         st = first.statistics()
-        assert st.file is not None
-        assert st.file.blocks == 6
-        assert st.cluster is not None
-        assert st.cluster.stores == 6
+        assert st.tiers["file"].statistics.blocks == 6
+        assert st.tiers["cluster"].statistics.stores == 6
         assert await second.refresh(keys) == 6
         assert await load_checked(second, kv2, keys) == 6
         await second.flush()
         st = second.statistics()
-        assert st.file is not None
-        assert st.file_traffic is not None
-        assert st.cluster_traffic is not None
-        assert st.cluster_traffic.blocks_out == 6
-        assert st.file.blocks == (6 if promote is None else 0)
-        assert st.file_traffic.blocks_in == (6 if promote is None else 0)
+        assert st.tiers["cluster"].blocks_out == 6
+        file = st.tiers["file"]
+        promoted = 6 if promote is None else 0
+        assert (file.statistics.blocks, file.blocks_in) == (promoted, promoted)
         lookups_add_up(second)
 
 
@@ -212,13 +199,11 @@ async def test_cluster_write_back_on_eviction_and_close(valkey_cluster: ValkeyCl
         keys = keys_for(first, 8, salt=4)
         await store_keys(first, kv1, keys[:4])
         st = first.statistics()
-        assert st.cluster is not None
-        assert st.cluster.stores == 0
+        assert st.tiers["cluster"].statistics.stores == 0
         await store_keys(first, kv1, keys[4:])
-        st = first.statistics()
-        assert st.write_backs == 4  # the first four were evicted, written back first
-        assert st.cluster is not None
-        assert st.cluster.stores == 4
+        tier = first.statistics().tiers["cluster"]
+        assert tier.write_backs == 4  # the first four were evicted, written back first
+        assert tier.statistics.stores == 4
     # The clean close wrote the rest.
     async with engine_on(cluster) as (second, kv2):
         assert await second.refresh(keys) == 8
@@ -243,18 +228,16 @@ async def test_vanished_and_damaged_blocks_are_misses(
         assert engine.lookup(keys) == 12  # the presence set does not know yet
         assert await load_checked(engine, kv, keys[:8]) == 2  # a miss, not an error
         st = engine.statistics()
-        assert st.cluster is not None
-        assert st.cluster.vanished == 1
+        assert st.tiers["cluster"].statistics.vanished == 1
         assert st.load_shortfalls == 6
         assert engine.lookup(keys) == 2
         # 5 blocks, or 2 when the first load read keys[5] ahead (and dropped it) already.
         hits = engine.lookup(keys[3:8])
         assert await load_checked(engine, kv, keys[3 : 3 + hits]) == 2  # stops at the damaged one
         st = engine.statistics()
-        assert st.cluster is not None
-        assert st.cluster.verification_failures == 1
+        assert st.tiers["cluster"].statistics.verification_failures == 1
         await engine.flush()
-        assert engine.statistics().cpu.pinned == 0
+        assert engine.statistics().tiers["cpu"].statistics.pinned == 0
 
 
 async def test_no_node_answers_at_open(tmp_path: Path) -> None:
@@ -274,13 +257,12 @@ async def test_the_engine_serves_while_no_node_answers(tmp_path: Path) -> None:
         keys = keys_for(engine, 12, salt=7)
         await store_keys(engine, kv, keys)
         assert await load_checked(engine, kv, keys) == 12  # from the CPU and file tiers
-        st = engine.statistics()
-        assert st.cluster is not None
-        assert st.cluster.nodes_down == 1
-        assert st.cluster.outages == 1
-        assert st.cluster.stores == 0
-        assert st.cluster.round_trips == 0  # every block refused at once, no I/O
-        assert st.cluster.refused_in_backoff > 0
+        tier = engine.statistics().tiers["cluster"]
+        assert (tier.statistics.nodes_down, tier.statistics.outages) == (1, 1)
+        assert tier.statistics.stores == 0
+        assert tier.statistics.round_trips == 0  # every block refused at once, no I/O
+        assert tier.statistics.refused_in_backoff > 0
+        assert tier.write_failures == 12  # the chain counted each block not written
 
 
 _PEER = textwrap.dedent(
@@ -303,7 +285,7 @@ _PEER = textwrap.dedent(
             await engine.store(keys, list(range(10)))
             await engine.flush()
             st = engine.statistics()
-            assert st.cluster is not None and st.cluster.stores == 10, st
+            assert st.tiers["cluster"].statistics.stores == 10, st
         print("stored")
 
     asyncio.run(main())
@@ -354,11 +336,11 @@ async def test_node_killed_under_engine_traffic(private_cluster: ValkeyCluster) 
                 await engine.store(keys, blocks)
         await engine.flush()
         st = engine.statistics()
-        assert st.cpu.pinned == 0
+        assert st.tiers["cpu"].statistics.pinned == 0
         assert st.in_flight == 0
-        assert st.cluster is not None
-        faults = st.cluster.connection_errors + st.cluster.refused_in_backoff
-        assert faults + st.cluster.timeouts > 0
+        own = st.tiers["cluster"].statistics
+        faults = own.connection_errors + own.refused_in_backoff
+        assert faults + own.timeouts > 0
         lookups_add_up(engine)
     assert served["before"] > 0
     assert served["after"] > 0  # the engine kept serving from what it still had

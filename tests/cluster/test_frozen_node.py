@@ -20,9 +20,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier.chain import TierCounts
 from kvtier.errors import TierIOError
 from kvtier.metrics import TierMetrics, samples, tier_metrics
+from kvtier.runtime import TierReport
 from kvtier.testing.tier import Rows, block_keys
 from kvtier.testing.valkey import ValkeyCluster
 from kvtier.tiers.cluster import ClusterTier
@@ -105,7 +105,7 @@ async def test_a_frozen_node_neither_stops_the_open_nor_fails_the_others(
     assert set(figures) <= set(TierMetrics.__dataclass_fields__)
     assert (figures["node_outages_total"], figures["nodes_down"]) == (1, 1)
     # ... and as the samples both fronts export, labelled by tier.
-    exported = samples({"cluster": tier_metrics(stats, TierCounts(), row_bytes=BLOCK)})
+    exported = samples({"cluster": tier_metrics(TierReport(stats), row_bytes=BLOCK)})
     assert exported[("kvtier_node_outages_total", ("cluster",))] == 1
     assert exported[("kvtier_nodes_down", ("cluster",))] == 1
 

@@ -60,10 +60,9 @@ async def test_a_split_instance_loads_what_another_stored(
             if instance == "stores":
                 assert (await engine.store(keys, [0, 1, 2, 3])).stored == 4
                 await engine.flush()
-                st = engine.statistics()
-                assert st.cluster is not None
-                assert st.cluster.stores == 4
-                assert st.cluster.block_bytes >= WORLD * engine.layout.bytes_per_chunk
+                own = engine.statistics().tiers["cluster"].statistics
+                assert own.stores == 4
+                assert own.block_bytes >= WORLD * engine.layout.bytes_per_chunk
             else:
                 assert engine.lookup(keys) == 0
                 assert await engine.refresh(keys) == 4

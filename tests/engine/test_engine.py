@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import io
 import json
 import random
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,6 +29,7 @@ from kvtier import (
     chain_keys,
 )
 from kvtier.engine import Engine
+from kvtier.manager import ManagerStatistics
 from kvtier.testing.faults import FaultPlan, FaultyIOEngine
 from kvtier.transfer import _ring
 from kvtier.transfer.io_engine import IOEngine, open_io_engine
@@ -110,10 +115,10 @@ def keys_for(engine: Engine, n: int, salt: int = 0) -> list[bytes]:
 
 def assert_quiescent(engine: Engine) -> None:
     st = engine.statistics()
-    assert st.cpu.pinned == 0
-    assert st.cpu.being_written == 0
+    assert st.tiers["cpu"].statistics.pinned == 0
+    assert st.tiers["cpu"].statistics.being_written == 0
     assert st.in_flight == 0
-    assert st.cpu.used <= st.cpu.capacity
+    assert st.tiers["cpu"].statistics.used <= st.tiers["cpu"].statistics.capacity
 
 
 @pytest.mark.parametrize("kind", ["kv_first", "block_first"])
@@ -158,12 +163,12 @@ async def test_eviction_cascades_to_file_and_promotes_back(
             await engine.store(keys, [0, 1])
         await engine.flush()
         st = engine.statistics()
-        assert st.cpu.evictions >= 8
+        assert st.tiers["cpu"].statistics.evictions >= 8
         for keys, want in batches:
             assert engine.lookup(keys) == 2, "every block is in some tier"
             assert await engine.load(keys, [10, 11]) == 2
             assert same(snapshot(kv, [10, 11]), want)
-        assert engine.statistics().promotions >= 8
+        assert engine.statistics().tiers["file"].blocks_out >= 8
         assert_quiescent(engine)
 
 
@@ -178,12 +183,12 @@ async def test_concurrent_loads_of_one_block_promote_once(tmp_path: Path) -> Non
             await engine.store(keys_for(engine, 2, salt), [2, 3])
         await engine.flush()
         assert not any(engine._chain.is_ready(k) for k in keys)
-        before = engine.statistics().promotions
+        before = engine.statistics().tiers["file"].blocks_out
         results = await asyncio.gather(
             *(engine.load(keys, [10 + 2 * i, 11 + 2 * i]) for i in range(4))
         )
         assert results == [2, 2, 2, 2]
-        assert engine.statistics().promotions - before == 2
+        assert engine.statistics().tiers["file"].blocks_out - before == 2
         for i in range(4):
             assert same(snapshot(kv, [10 + 2 * i, 11 + 2 * i]), want)
         assert_quiescent(engine)
@@ -323,7 +328,7 @@ async def test_restart_finds_blocks(tmp_path: Path) -> None:
             await asyncio.sleep(0.01)  # recovery may run in the background
         assert await engine.load(keys, list(range(20, 25))) == 5
         assert same(snapshot(kv, list(range(20, 25))), want)
-        st = engine.statistics().file
+        st = engine.statistics().tiers["file"].statistics
         assert st is not None
         # The loads went into the CPU region, registered with io_uring where it runs.
         uses_fixed = (
@@ -341,9 +346,7 @@ async def test_restart_with_background_recovery(tmp_path: Path) -> None:
         FaultPlan(seed=1, rates={"latency": 1.0}, latency_s=0.3),
     )
     async with engine_for(tmp_path, recovery="background", io=slow) as (engine, kv):
-        st = engine.statistics().file
-        assert st is not None
-        assert st.recovery == "running"
+        assert engine.statistics().tiers["file"].statistics.recovery == "running"
         assert engine.lookup(keys) == 0  # not known yet
         # Stored meanwhile: served from the CPU tier, not written through (the
         # file tier refuses stores until it knows its slots), nothing pinned.
@@ -352,13 +355,13 @@ async def test_restart_with_background_recovery(tmp_path: Path) -> None:
         await engine.store(others, [10, 11])
         await engine.flush()
         after = engine.statistics()
-        assert after.write_through_failures == 2
-        assert after.cpu.pinned == 0
+        assert after.tiers["file"].write_failures == 2
+        assert after.tiers["cpu"].statistics.pinned == 0
         for _ in range(500):
             if engine.lookup(keys) == 5:
                 break
             await asyncio.sleep(0.01)
-        assert engine.statistics().file.recovery == "complete"  # type: ignore[union-attr]
+        assert engine.statistics().tiers["file"].statistics.recovery == "complete"
         assert await engine.load(keys, list(range(20, 25))) == 5
         assert same(snapshot(kv, list(range(20, 25))), want)
     await slow.aclose()
@@ -428,7 +431,7 @@ async def test_a_store_larger_than_the_cpu_tier_streams_through_its_rows(
         await engine.flush()
         st = engine.statistics()
         assert st.dropped == 0
-        assert st.cpu.ready == 8, "the CPU tier keeps the last blocks"
+        assert st.tiers["cpu"].statistics.ready == 8, "the CPU tier keeps the last blocks"
         assert engine.lookup(keys) == n
         for t in kv:
             t.zero_()
@@ -512,14 +515,16 @@ async def test_a_load_of_file_blocks_larger_than_the_cpu_tier_streams(
 ) -> None:
     ([keys], old) = await stored_on_file(tmp_path, n, bpc=bpc)
     async with engine_for(tmp_path, cpu_rows=8, file_rows=FILE_ROWS, bpc=bpc) as (engine, kv):
-        assert engine.statistics().cpu.ready == 0, "every block is on file only"
+        assert engine.statistics().tiers["cpu"].statistics.ready == 0, "every block is on file only"
         assert engine.lookup(keys) == n
         blocks = range(skip, n * bpc)  # the first `skip` sub-blocks are on the device
         assert await engine.load(keys, list(blocks), skip=skip) == n
         assert moved(kv, blocks, old, blocks)
         st = engine.statistics()
-        assert (st.promotions, st.load_shortfalls) == (n, 0)
-        assert st.cpu.ready == 8, "the last blocks promoted stay in the CPU tier"
+        assert (st.tiers["file"].blocks_out, st.load_shortfalls) == (n, 0)
+        assert st.tiers["cpu"].statistics.ready == 8, (
+            "the last blocks promoted stay in the CPU tier"
+        )
         assert_unpinned(engine, keys)
 
 
@@ -537,7 +542,7 @@ async def test_two_loads_larger_than_the_cpu_tier_at_once(tmp_path: Path, shared
         assert moved(kv, range(n, 2 * n), old, range(n) if shared else range(n, 2 * n))
         # One prefix: the loads share their promotions (each block is read once
         # or, when the policy evicted it between the two, twice).
-        assert n <= engine.statistics().promotions <= 2 * n
+        assert n <= engine.statistics().tiers["file"].blocks_out <= 2 * n
         assert_unpinned(engine, [*first, *second])
 
 
@@ -566,10 +571,10 @@ async def test_cancelling_a_streaming_load_releases_every_pin(tmp_path: Path) ->
     ([keys], old) = await stored_on_file(tmp_path, n)
     async with engine_for(tmp_path, cpu_rows=8, file_rows=FILE_ROWS) as (engine, kv):
         for cut in (1, 12, 24):  # blocks on the device before the cancellation
-            start = engine.statistics().cpu_traffic.blocks_out
+            start = engine.statistics().tiers["cpu"].blocks_out
             alone = asyncio.ensure_future(engine.load(keys, list(range(n))))
             beside = asyncio.ensure_future(engine.load(keys, list(range(n, 2 * n))))
-            while engine.statistics().cpu_traffic.blocks_out - start < cut:
+            while engine.statistics().tiers["cpu"].blocks_out - start < cut:
                 assert not alone.done(), "the load ended before it was cancelled"
                 await asyncio.sleep(0)
             alone.cancel()
@@ -597,8 +602,7 @@ async def test_a_damaged_block_ends_a_streaming_load_where_it_is(tmp_path: Path)
         assert moved(kv, range(25), old, range(25))
         st = engine.statistics()
         assert st.load_shortfalls == n - 25
-        assert st.file is not None
-        assert st.file.quarantined == 1
+        assert st.tiers["file"].statistics.quarantined == 1
         assert engine.lookup(keys) == 25
         assert_unpinned(engine, keys)
 
@@ -608,14 +612,14 @@ async def test_closing_under_a_streaming_load_ends_it_typed(tmp_path: Path) -> N
     ([keys], _old) = await stored_on_file(tmp_path, n)
     async with engine_for(tmp_path, cpu_rows=8, file_rows=FILE_ROWS) as (engine, _kv):
         loading = asyncio.ensure_future(engine.load(keys, list(range(n))))
-        while engine.statistics().cpu_traffic.blocks_out < 8:
+        while engine.statistics().tiers["cpu"].blocks_out < 8:
             assert not loading.done(), "the load ended before the close"
             await asyncio.sleep(0)
         await engine.aclose()
         # What it still had to promote cannot start any more: a typed error, no hang.
         with pytest.raises(ClosedError):
             await loading
-        assert engine.statistics().cpu.pinned == 0
+        assert engine.statistics().tiers["cpu"].statistics.pinned == 0
 
 
 # -- closing with work in flight ------------------------------------------------------
@@ -654,37 +658,70 @@ async def test_statistics_give_each_figure_one_meaning(tmp_path: Path) -> None:
         assert engine.lookup(keys) == 8
         assert engine.lookup(keys_for(engine, 2, salt=1)) == 0
         st = engine.statistics()
-        assert st.file_traffic is not None
         # Lookup hits per tier: the first 4 from the file tier, the last 4 from the CPU's.
-        assert (st.cpu_traffic.lookup_hits, st.file_traffic.lookup_hits) == (4, 4)
+        assert (st.tiers["cpu"].lookup_hits, st.tiers["file"].lookup_hits) == (4, 4)
         assert (st.lookups, st.lookup_misses) == (10, 2)
         assert st.lookups - st.lookup_misses == (
-            st.cpu_traffic.lookup_hits + st.file_traffic.lookup_hits
+            st.tiers["cpu"].lookup_hits + st.tiers["file"].lookup_hits
         )
         assert await engine.load(keys[:4], list(range(4))) == 4  # promoted, then copied
         st = engine.statistics()
-        assert st.file_traffic is not None
-        row = st.file_traffic.bytes_in // st.file_traffic.blocks_in
-        assert (st.cpu_traffic.blocks_in, st.cpu_traffic.blocks_out) == (8, 4)
-        assert (st.file_traffic.blocks_in, st.file_traffic.blocks_out) == (8, 4)
-        assert st.cpu_traffic.bytes_in == 8 * engine.layout.bytes_per_chunk
-        assert st.cpu_traffic.bytes_out == 4 * engine.layout.bytes_per_chunk
-        assert st.file_traffic.bytes_out == 4 * row
-        assert st.promotions == 4
+        row = st.tiers["file"].bytes_in // st.tiers["file"].blocks_in
+        assert (st.tiers["cpu"].blocks_in, st.tiers["cpu"].blocks_out) == (8, 4)
+        assert (st.tiers["file"].blocks_in, st.tiers["file"].blocks_out) == (8, 4)
+        assert st.tiers["cpu"].bytes_in == 8 * engine.layout.bytes_per_chunk
+        assert st.tiers["cpu"].bytes_out == 4 * engine.layout.bytes_per_chunk
+        assert st.tiers["file"].bytes_out == 4 * row
+        assert st.load_shortfalls == 0
 
 
 async def test_statistics_report_every_tier_by_name(tmp_path: Path) -> None:
-    """One record per tier, by name, highest first; the fixed names are the same records."""
+    """One record per tier, by name, highest first: the chain's counts, their bytes
+    and busy time, and the tier's own record; the whole snapshot is plain data."""
     async with engine_for(tmp_path, cpu_rows=4) as (engine, kv):
         fill(kv, [0, 1, 2], seed=7)
         await engine.store(keys_for(engine, 3), [0, 1, 2])
         await engine.flush()
         st = engine.statistics()
+        file_record = engine._links[0].tier.statistics()
     assert list(st.tiers) == ["cpu", "file"]
-    assert st.tiers["cpu"].statistics == st.cpu
-    assert st.tiers["cpu"].traffic.blocks_in == 3
-    assert st.tiers["file"].statistics == st.file
-    assert st.tiers["file"].traffic == st.file_traffic
-    assert st.tiers["file"].traffic.blocks_in == 3
-    assert st.cluster is None
-    assert st.cluster_traffic is None
+    cpu, file = st.tiers["cpu"], st.tiers["file"]
+    assert isinstance(cpu.statistics, ManagerStatistics)
+    assert (cpu.statistics.used, cpu.blocks_in) == (3, 3)
+    assert file.statistics == file_record
+    assert (file.blocks_in, file.statistics.stores) == (3, 3)
+    row = engine.layout.bytes_per_chunk
+    assert (cpu.bytes_in, file.bytes_in) == (3 * row, 3 * row)
+    # Each tier's busy time: the device copies (the engine's), the file writes (the runtime's).
+    assert cpu.seconds_in > 0
+    assert file.seconds_in > 0
+    assert file.gbps_in == file.bytes_in / file.seconds_in / 1e9
+    assert (file.read_failures, file.write_failures, file.seconds_out) == (0, 0, 0.0)
+    record = json.loads(json.dumps(dataclasses.asdict(st), default=str))
+    assert record["tiers"]["file"]["blocks_in"] == 3
+    assert record["tiers"]["cpu"]["statistics"]["used"] == 3
+    assert record["stores"] == 1
+
+
+OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+
+
+async def test_the_documented_statistics_snippet_runs(tmp_path: Path) -> None:
+    """docs/operations.md, "Reading statistics": its example, on an engine with a file tier."""
+    mark = "<!-- tested: tests/engine/test_engine.py -->"
+    text = OPERATIONS.read_text()
+    block = re.search(re.escape(mark) + r"\n```python\n(.*?)^```", text, re.S | re.M)
+    assert block is not None, f"docs/operations.md has no python block after {mark!r}"
+    async with engine_for(tmp_path, cpu_rows=4) as (engine, _kv):
+        keys = keys_for(engine, 8)
+        await engine.store(keys, list(range(8)))
+        await engine.flush()
+        assert engine.lookup(keys) == 8
+        assert await engine.load(keys[:4], list(range(4))) == 4
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(block.group(1), {"engine": engine})
+    hits, promoted, pinned = (line.split() for line in out.getvalue().splitlines())
+    assert hits == ["4", "4", "0"]
+    assert promoted[0] == "4"
+    assert pinned == ["0", "0"]

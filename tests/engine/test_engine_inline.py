@@ -80,7 +80,8 @@ async def test_small_copies_stay_on_the_loop_and_large_ones_go_to_the_copier() -
         assert holds(kv, range(32, 32 + large), want)
         assert copier_threads() > before, "a large request did not reach the copier's threads"
         st = engine.statistics()
-        assert (st.cpu.pinned, st.cpu.being_written, st.in_flight) == (0, 0, 0)
+        cpu = st.tiers["cpu"].statistics
+        assert (cpu.pinned, cpu.being_written, st.in_flight) == (0, 0, 0)
 
 
 SIZES = pytest.mark.parametrize(
@@ -103,7 +104,8 @@ async def test_a_store_cancelled_after_its_first_step_publishes_nothing(
         await engine.flush()
         assert engine.lookup(keys) == 0
         st = engine.statistics()
-        assert (st.cpu.ready, st.cpu.being_written, st.in_flight) == (0, 0, 0)
+        cpu = st.tiers["cpu"].statistics
+        assert (cpu.ready, cpu.being_written, st.in_flight) == (0, 0, 0)
 
 
 @SIZES

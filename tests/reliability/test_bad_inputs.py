@@ -179,8 +179,8 @@ async def corrupt_header_then_load(ctx: Ctx) -> None:
     st = ctx.engine.statistics()
     assert ctx.engine.lookup(k) == 1  # the tier does not read files on lookup
     assert await ctx.engine.load(k, [0, 1]) == 0
-    assert ctx.engine.statistics().file is not None
-    assert ctx.engine.statistics().file.quarantined == st.file.quarantined + 1  # type: ignore[union-attr]
+    quarantined = st.tiers["file"].statistics.quarantined
+    assert ctx.engine.statistics().tiers["file"].statistics.quarantined == quarantined + 1
     assert ctx.engine.lookup(k) == 0
     await ctx.engine.load(k, [0, 1])  # asked again: it is in no tier
 
@@ -223,7 +223,7 @@ async def foreign_namespace_file(ctx: Ctx) -> None:
         os.close(fd)
     engine = await Engine.open(other_cfg, other, other_kv)
     try:
-        st = engine.statistics().file
+        st = engine.statistics().tiers["file"].statistics
         assert st is not None
         assert st.quarantined == 1, "the foreign header is found and cleared at open"
         assert engine.lookup(ok) == 0
@@ -235,7 +235,7 @@ async def foreign_namespace_file(ctx: Ctx) -> None:
 async def evict_cpu(ctx: Ctx) -> None:
     """Fill the CPU tier with other blocks so that earlier ones live on file only."""
     st = ctx.engine.statistics()
-    for salt in range(200, 200 + st.cpu.capacity):
+    for salt in range(200, 200 + st.tiers["cpu"].statistics.capacity):
         k = keys(ctx, 1, salt=salt)
         write_blocks(ctx.kv, k, [2, 3])
         await ctx.engine.store(k, [2, 3])
@@ -408,7 +408,7 @@ async def test_bad_input_is_typed_and_loses_nothing(
     async with open_engine(tmp_path / "tier", cpu_rows=12, groups=(0, 1)) as (engine, kv):
         # Fill the CPU tier, so that a store or promotion that got as far as
         # placing blocks would evict (the bad call must fail before that).
-        rows = engine.statistics().cpu.capacity
+        rows = engine.statistics().tiers["cpu"].statistics.capacity
         everything = chain_keys(
             list(range((rows + 4) * engine.block_tokens)), engine.block_tokens, engine.namespace
         )
@@ -418,7 +418,7 @@ async def test_bad_input_is_typed_and_loses_nothing(
             await engine.store(part, list(ids))
             await engine.flush()
         assert engine.lookup(stored) == rows
-        assert engine.statistics().cpu.ready == rows
+        assert engine.statistics().tiers["cpu"].statistics.ready == rows
         ctx = Ctx(engine, kv, tmp_path, stored, file_only)
         before = _state(engine)
         with pytest.raises(error) as info:
@@ -431,7 +431,7 @@ async def test_bad_input_is_typed_and_loses_nothing(
         assert engine.lookup(stored) == len(stored)
         assert await verify_everything(engine, kv, set(everything)) == 0
         st = engine.statistics()
-        assert st.cpu.pinned == 0
+        assert st.tiers["cpu"].statistics.pinned == 0
         assert st.in_flight == 0
 
 
@@ -486,6 +486,6 @@ def _descriptors() -> int:
 
 
 def _state(engine: Engine) -> tuple[int, ...]:
-    st = engine.statistics()
-    assert st.file is not None
-    return (st.cpu.ready, st.cpu.evictions, st.cpu.used, st.file.blocks, st.file.evictions)
+    tiers = engine.statistics().tiers
+    cpu, file = tiers["cpu"].statistics, tiers["file"].statistics
+    return (cpu.ready, cpu.evictions, cpu.used, file.blocks, file.evictions)

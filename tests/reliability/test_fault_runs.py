@@ -94,17 +94,17 @@ async def test_faults_degrade_to_misses_and_never_serve_a_wrong_block(
             assert tally.untyped == [], tally.untyped[:3]
             assert tally.wrong_blocks == 0
             st = engine.statistics()
+            cpu, file = st.tiers["cpu"].statistics, st.tiers["file"].statistics
             assert st.in_flight == 0
-            assert st.cpu.pinned == 0
-            assert st.cpu.being_written == 0
-            assert st.cpu.used == st.cpu.ready <= st.cpu.capacity
-            assert st.file is not None
+            assert cpu.pinned == 0
+            assert cpu.being_written == 0
+            assert cpu.used == cpu.ready <= cpu.capacity
             (data,) = (tmp_path / "tier").glob("*/blocks.dat")
             # The slot file is exactly the budget; every resident block has a
             # valid header in it (evicted slots not yet reused may keep theirs).
-            assert data.stat().st_size == st.file.capacity_bytes
-            assert st.file.used_bytes == st.file.blocks * st.file.file_bytes
-            assert st.file.blocks <= len(block_offsets(data.parent))
+            assert data.stat().st_size == file.capacity_bytes
+            assert file.used_bytes == file.blocks * file.file_bytes
+            assert file.blocks <= len(block_offsets(data.parent))
             async with asyncio.timeout(60):
                 wrong_after = await verify_everything(engine, kv, tally.stored_keys)
             assert wrong_after == 0
@@ -118,8 +118,8 @@ async def test_faults_degrade_to_misses_and_never_serve_a_wrong_block(
                 typed_errors_seen=tally.errors,
                 blocks_verified=tally.blocks_verified,
                 wrong_blocks_served=tally.wrong_blocks + wrong_after,
-                quarantined=st.file.quarantined,
-                file_store_failures=st.file.store_failures,
+                quarantined=file.quarantined,
+                file_store_failures=file.store_failures,
             )
     finally:
         await ring.aclose()

@@ -76,8 +76,8 @@ async def test_soak_keeps_memory_fds_pins_and_shm_flat(
             requests += 150
             rounds += 1
             st = engine.statistics()
-            assert st.cpu.pinned == 0
-            assert st.cpu.being_written == 0
+            assert st.tiers["cpu"].statistics.pinned == 0
+            assert st.tiers["cpu"].statistics.being_written == 0
             assert st.in_flight == 0
             shm = shm_mapped_bytes()
             samples.append((rss_bytes(), open_fds(), shm))

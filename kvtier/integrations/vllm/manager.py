@@ -64,7 +64,7 @@ from kvtier.metrics import (
     tier_metrics,
 )
 from kvtier.region import CPURegion
-from kvtier.runtime import Runtime
+from kvtier.runtime import FrontCounts, FrontStatistics, Runtime
 from kvtier.tiers.base import Announces, Tier
 from kvtier.tiers.factory import aclose_tiers, open_tiers
 
@@ -159,9 +159,8 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._event_keys = 0
         self._announced_file: set[bytes] = set()
         self._closed = False
-        self._n: dict[str, int] = dict.fromkeys(
-            ("stores", "loads", "loaded_blocks", "events_published", "events_dropped"), 0
-        )
+        self._counts = FrontCounts()
+        """What this front counts itself, beside the chain (:meth:`statistics`)."""
         self._last_stats = ""
         self._refusal_logged = False
         # kvtier's metrics for vLLM (get_stats): totals turned into increases,
@@ -253,6 +252,8 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         answer = self._chain.lookup(k, req_context.req_id)
         if answer is Answer.RETRY:
             self._names[k] = key  # announced in the CPU tier once promoted
+        elif answer is Answer.MISS:
+            self._counts.lookup_misses += 1
         return _ANSWERS[answer]
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> RowsSpec:
@@ -261,8 +262,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         slots = self._chain.pin_for_device_load(ks)
         self._reporter.began((False, frozenset(ks)))
         self._changed = True
-        self._n["loads"] += 1
-        self._n["loaded_blocks"] += len(ks)
+        self._counts.loads += 1
         return RowsSpec(list(slots))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -297,7 +297,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             # The leading blocks (a prefix: what a later request can hit) are
             # stored; vLLM does not offer this request's others again.
             self._refused(len(todo) - len(plan.keys), len(todo))
-        self._n["stores"] += len(plan.keys)
+        self._counts.stores += 1
         self._reporter.began((True, frozenset(plan.keys)))
         for k in plan.keys:
             self._names[k] = todo[k]
@@ -369,7 +369,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             return None
         self._changed = False
         stats = OffloadingConnectorStats()
-        self._reporter.report(self._metrics(), stats)
+        self._reporter.report(self._metrics(self.statistics()), stats)
         return None if stats.is_empty() else stats
 
     def reset_cache(self) -> None:
@@ -431,71 +431,43 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             )
         return [info]
 
-    def statistics(self) -> dict[str, Any]:
-        """Counters of this front and of the chain, and every tier's own statistics.
+    def statistics(self) -> FrontStatistics:
+        """Every tier (the chain's counts, their bytes and busy time, the tier's own
+        record) and this front's counters: the record ``Engine.statistics()`` returns.
 
-        ``tiers`` maps each tier's name (``cpu``, then the lower tiers in
-        order) to the chain's counts for it; ``cpu`` and each lower tier's
-        name (``file``, ``cluster``) to that tier's own record. The flat
-        counters keep their names of earlier releases. ``metrics`` holds the
-        totals of kvtier's Prometheus metrics under their names (metric name,
-        then label values joined by commas: see :func:`kvtier.metrics.as_json`).
+        The ``statistics_file`` holds it as JSON (:func:`dataclasses.asdict`),
+        with the totals of kvtier's Prometheus metrics under ``metrics`` (metric
+        name, then label values joined by commas: see :func:`kvtier.metrics.as_json`).
         """
-        chain = self._chain.statistics()
-        lower = [chain.tiers[name] for name in self._tier_names]
-        out: dict[str, Any] = dict(self._n)
-        out.update(
-            lookups=chain.lookups,
-            lookup_hits=chain.tiers["cpu"].lookup_hits,
-            store_refusals=chain.store_refusals,
-            deadline_misses=chain.deadline_misses,
-            row_limit_misses=chain.row_limit_misses,
-            loads_declined=chain.loads_declined,
-            recompute_s_per_block=chain.recompute_s_per_block,
-            promotions=sum(t.blocks_out for t in lower),
-            promotion_failures=sum(t.read_failures for t in lower),
-            file_writes=chain.tiers["file"].blocks_in if "file" in chain.tiers else 0,
-            write_through_failures=sum(t.write_failures for t in lower),
-            rows_held_by_writes=chain.rows_held_by_writes,
-            tiers={name: asdict(counts) for name, counts in chain.tiers.items()},
-            cpu=asdict(self._chain.cpu_statistics()),
-            metrics=as_json(self._metrics()),
-        )
-        out["file"] = None
-        for name, record in zip(self._tier_names, self._tier_stats, strict=True):
-            out[name] = asdict(record)
-        return out
+        return self._runtime.statistics(self._counts, self._tier_stats)
 
-    def _metrics(self) -> Samples:
-        """Every metric of this front now, as totals (docs/operations.md, "Metrics")."""
-        chain = self._chain.statistics()
-        counts = chain.tiers
+    def statistics_json(self) -> dict[str, Any]:
+        """What the ``statistics_file`` holds: :meth:`statistics` as
+        :func:`dataclasses.asdict` gives it, and the totals of kvtier's metrics
+        under ``metrics`` (``{"kvtier_lookup_hits_total": {"cpu": 12, ...}}``)."""
+        st = self.statistics()
+        return {**asdict(st), "metrics": as_json(self._metrics(st))}
+
+    def _metrics(self, st: FrontStatistics) -> Samples:
+        """Every metric of this front in ``st``, as totals (docs/operations.md, "Metrics")."""
+        row_bytes = self._row_bytes
         tiers: dict[str, TierMetrics] = {
-            "cpu": tier_metrics(
-                self._chain.cpu_statistics(),
-                counts["cpu"],
-                row_bytes=self._row_bytes,
-                store_refusals=chain.store_refusals,
+            name: tier_metrics(
+                report,
+                row_bytes=row_bytes,
+                store_refusals=st.store_refusals if name == "cpu" else None,
             )
+            for name, report in st.tiers.items()
         }
-        for name, record in zip(self._tier_names, self._tier_stats, strict=True):
-            c = counts[name]
-            tiers[name] = tier_metrics(
-                record,
-                c,
-                row_bytes=self._row_bytes,
-                read_failures=c.read_failures,
-                write_failures=c.write_failures,
-            )
         return samples(
             tiers,
             {
-                (LOOKUPS.name, ()): chain.lookups,
-                (DEADLINE_MISSES.name, ()): chain.deadline_misses,
-                (ROW_LIMIT_MISSES.name, ()): chain.row_limit_misses,
-                (LOADS_DECLINED.name, ()): chain.loads_declined,
-                (EVENTS_PUBLISHED.name, ()): self._n["events_published"],
-                (EVENTS_DROPPED.name, ()): self._n["events_dropped"],
+                (LOOKUPS.name, ()): st.lookups,
+                (DEADLINE_MISSES.name, ()): st.deadline_misses,
+                (ROW_LIMIT_MISSES.name, ()): st.row_limit_misses,
+                (LOADS_DECLINED.name, ()): st.loads_declined,
+                (EVENTS_PUBLISHED.name, ()): st.events_published,
+                (EVENTS_DROPPED.name, ()): st.events_dropped,
             },
         )
 
@@ -554,18 +526,18 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 removal_expected=file and not removed,
             )
         )
-        self._n["events_published"] += len(names)
+        self._counts.events_published += len(names)
         self._event_keys += len(names)
         while self._event_keys > MAX_PENDING_EVENT_KEYS and len(events) > 1:
             old = events.popleft()
             self._event_keys -= len(old.keys)
-            if not self._n["events_dropped"]:
+            if not self._counts.events_dropped:
                 log.warning(
                     "kvtier's KV cache events are not being taken: dropping the oldest "
                     "(more than %d keys queued)",
                     MAX_PENDING_EVENT_KEYS,
                 )
-            self._n["events_dropped"] += len(old.keys)
+            self._counts.events_dropped += len(old.keys)
 
     def _translate(self, events: Iterable[ManagerEvent], medium: Medium) -> None:
         for ev in events:
@@ -627,7 +599,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         path = self._settings.statistics_file
         if path is None:
             return
-        text = json.dumps(self.statistics(), default=str, sort_keys=True)
+        text = json.dumps(self.statistics_json(), default=str, sort_keys=True)
         if text == self._last_stats and not force:
             return
         self._last_stats = text
