@@ -60,7 +60,7 @@ def keys(engine: Engine, n: int, salt: int) -> list[bytes]:
 async def test_a_tier_slower_than_recompute_is_left_out_of_the_prefix(
     tmp_path: Path, recompute: float | None, declines: bool
 ) -> None:
-    async with slow_file_engine(tmp_path, recompute) as (engine, kv):
+    async with slow_file_engine(tmp_path, recompute) as (engine, _kv):
         old = keys(engine, 4, salt=1)
         await engine.store(old, [0, 1, 2, 3])
         await engine.flush()  # written through to the file tier
