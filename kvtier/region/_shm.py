@@ -55,6 +55,9 @@ import time
 from dataclasses import dataclass
 
 from kvtier.errors import CapacityError, InvalidArgumentError, SharedRegionError
+from kvtier.region._locks import acquire, release
+from kvtier.region._locks import held_by_others as _held_by_others
+from kvtier.region._locks import set_lock as _setlk
 from kvtier.region._mmap import PAGE_SIZE, PMD_SIZE, memory_bytes, round_up
 
 __all__ = [
@@ -86,7 +89,6 @@ _HEADER = struct.Struct("<8sIIQQQQQQIIIQ16s256sI16s")
 _RANKS_AT = 512
 _HEADER_BYTES = _RANKS_AT + MAX_WORLD_SIZE // 8
 _MUTEX, _LIVE = 0, 1
-_FLOCK = struct.Struct("@hhqqi4x")  # struct flock on 64-bit Linux
 _DETACH_WAIT = 5.0
 REAP_AFTER = 60.0
 """Seconds a stale file is left alone before :func:`attach` reaps it: a test
@@ -154,34 +156,12 @@ def region_path(name: str) -> str:
 # -- locks --------------------------------------------------------------------------------
 
 
-def _setlk(fd: int, ltype: int, byte: int) -> bool:
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(ltype, os.SEEK_SET, byte, 1, 0))
-    except OSError as exc:
-        if exc.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-    return True
-
-
-def _held_by_others(fd: int, byte: int) -> bool:
-    query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0)
-    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, query)
-    return bool(_FLOCK.unpack(answer)[0] != fcntl.F_UNLCK)
-
-
 def _acquire_mutex(fd: int, deadline: float) -> bool:
-    pause = 0.0005
-    while not _setlk(fd, fcntl.F_WRLCK, _MUTEX):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, 0.01)
-    return True
+    return acquire(fd, _MUTEX, deadline, first_pause=0.0005)
 
 
 def _release_mutex(fd: int) -> None:
-    _setlk(fd, fcntl.F_UNLCK, _MUTEX)
+    release(fd, _MUTEX)
 
 
 # -- names ----------------------------------------------------------------------------------

@@ -50,6 +50,9 @@ from kvtier.errors import (
     NamespaceMismatchError,
     SharedRegionError,
 )
+from kvtier.region._locks import acquire, release
+from kvtier.region._locks import held_by_others as _held_by_others
+from kvtier.region._locks import set_lock as _setlk
 from kvtier.region._mmap import PAGE_SIZE, memory_bytes, round_up
 from kvtier.tiers.block_format import HEADER_BYTES
 
@@ -97,7 +100,6 @@ _MUTEX = 0
 # instance, budget_bytes, instances_offset, leases_offset, table_offset, data_offset,
 # total_bytes, creator pid, created (ns since the epoch), boot id
 _HEADER = struct.Struct("<8sII16sQQQIIQQQQQQQQ16s")
-_FLOCK = struct.Struct("@hhqqi4x")  # struct flock on 64-bit Linux
 _MUTEX_WAIT = 5.0
 
 T = TypeVar("T")
@@ -212,36 +214,14 @@ class Segment:
 # -- locks ------------------------------------------------------------------------------------
 
 
-def _setlk(fd: int, ltype: int, start: int, length: int = 1) -> bool:
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(ltype, os.SEEK_SET, start, length, 0))
-    except OSError as exc:
-        if exc.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-    return True
-
-
-def _held_by_others(fd: int, start: int, length: int = 1) -> bool:
-    query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, length, 0)
-    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, query)
-    return bool(_FLOCK.unpack(answer)[0] != fcntl.F_UNLCK)
-
-
 def acquire_mutex(fd: int, deadline: float) -> bool:
     """Take the segment's mutex, polling until ``deadline`` (monotonic); False if not."""
-    pause = 0.0002
-    while not _setlk(fd, fcntl.F_WRLCK, _MUTEX):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, 0.01)
-    return True
+    return acquire(fd, _MUTEX, deadline)
 
 
 def release_mutex(fd: int) -> None:
     """Give the mutex back."""
-    _setlk(fd, fcntl.F_UNLCK, _MUTEX)
+    release(fd, _MUTEX)
 
 
 def take_slot(fd: int, slot: int) -> bool:

@@ -1,0 +1,59 @@
+"""Locks on bytes of a shared file, held by an open file description (``F_OFD_SETLK``).
+
+The primitives of kvtier's shared mappings (the CPU region shared by a
+host's worker processes, the host tier): a lock belongs to the descriptor
+that took it, not to the process, so it goes with the descriptor's last
+close, and with the process when it dies (SIGKILL included). That makes a
+held lock a liveness signal no pid can fake, and a free one proof that its
+holder is gone.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import struct
+import time
+
+__all__ = ["acquire", "held_by_others", "release", "set_lock"]
+
+_FLOCK = struct.Struct("@hhqqi4x")  # struct flock on 64-bit Linux
+
+
+def set_lock(fd: int, ltype: int, start: int, length: int = 1) -> bool:
+    """Set (``F_WRLCK``, ``F_RDLCK``) or drop (``F_UNLCK``) a lock without waiting;
+    False when another description holds a conflicting one."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(ltype, os.SEEK_SET, start, length, 0))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def held_by_others(fd: int, start: int, length: int = 1) -> bool:
+    """Whether another open file description holds a lock on these bytes."""
+    query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, length, 0)
+    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, query)
+    return bool(_FLOCK.unpack(answer)[0] != fcntl.F_UNLCK)
+
+
+def acquire(fd: int, byte: int, deadline: float, *, first_pause: float = 0.0002) -> bool:
+    """Take the write lock on ``byte``, polling until ``deadline`` (monotonic); False if not.
+
+    Polled, not ``F_OFD_SETLKW``: a blocking wait cannot be bounded in time.
+    """
+    pause = first_pause
+    while not set_lock(fd, fcntl.F_WRLCK, byte):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    return True
+
+
+def release(fd: int, byte: int) -> None:
+    """Drop the lock on ``byte``."""
+    set_lock(fd, fcntl.F_UNLCK, byte)
