@@ -3,7 +3,7 @@
 Run in the vLLM venv (``make test-vllm`` creates it)::
 
     .venv-vllm/bin/python benchmarks/vllm_serving.py --quick     # under 10 minutes on 2 cores
-    .venv-vllm/bin/python benchmarks/vllm_serving.py             # the full sweep
+    .venv-vllm/bin/python benchmarks/vllm_serving.py             # the full sweep: ~65 minutes
     .venv-vllm/bin/python benchmarks/vllm_serving.py --quick --arrivals poisson --rate 1
 
 **Workload.** ``U`` users, each a conversation of ``--rounds`` rounds over a
@@ -646,7 +646,7 @@ class Phase:
     kvtier_cpu_s: float
     kvtier_threads: dict[str, float]
     disturbed: list[str] = field(default_factory=list)
-    """Other vLLM processes seen at its end."""
+    """Other vLLM processes seen while it ran (looked for every 2 s)."""
 
 
 _COUNTERS = (
@@ -682,9 +682,14 @@ def run_phase(server: Server, wl: Workload, rep: int, tmp: Path, wait_s: float |
     before = scrape(server.base)
     cpu = CpuSampler(server.engine_pids())
     client = subprocess.Popen([sys.executable, __file__, "--client", str(spec)])
+    others: dict[int, str] = {}
+    samples = 0
     while client.poll() is None:
         time.sleep(0.5)
         cpu.sample()
+        samples += 1
+        if wait_s is not None and samples % 4 == 0:
+            others.update(other_vllm(server.tree()))
     if client.returncode != 0:
         raise RuntimeError(f"{server.name}, {wl.users} users: the client failed")
     time.sleep(1.0)  # the last steps' statistics reach the API server
@@ -692,7 +697,9 @@ def run_phase(server: Server, wl: Workload, rep: int, tmp: Path, wait_s: float |
     after = scrape(server.base)
     result = json.loads(out.read_text())
     engine, kvtier, named = cpu.seconds()
-    disturbed = [] if wait_s is None else [f"{p}: {c}" for p, c in other_vllm(server.tree())]
+    if wait_s is not None:
+        others.update(other_vllm(server.tree()))
+    disturbed = [f"{p}: {c}" for p, c in others.items()]
     return Phase(
         config=server.name,
         users=wl.users,
@@ -1116,7 +1123,7 @@ def render(header: str, phases: Sequence[Phase], seconds: float, out: Path) -> N
         ]
     )
     if any(r.disturbed for r in rows):
-        report += "\n! another vLLM process ran during the phase"
+        report += "\n! another vLLM process ran during the phase (results.json names it)"
     try:
         made = plots(rows, out)
         report += "\nplots: " + ", ".join(str(p) for p in made)
