@@ -48,6 +48,7 @@ from typing import Any, Generic, TypeVar
 from kvtier.chain import (
     Chain,
     Intent,
+    LowerTier,
     Outcome,
     Read,
     ReadDone,
@@ -56,13 +57,15 @@ from kvtier.chain import (
     Write,
     Written,
 )
+from kvtier.config import KVTierConfig
+from kvtier.errors import ProtocolError
 from kvtier.manager import ManagerStatistics
 from kvtier.region import CPURegion
 from kvtier.tier_driver import TierDriver
 from kvtier.tiers.base import Recovers, Tier, TierStatistics, Watched
 from kvtier.transfer.completion import Completion
 
-__all__ = ["Busy", "FrontCounts", "FrontStatistics", "Runtime", "TierReport"]
+__all__ = ["Busy", "FrontCounts", "FrontStatistics", "Runtime", "TierReport", "chain_for"]
 
 _SEED_TIMEOUT_S = 60.0
 
@@ -565,6 +568,52 @@ class Runtime:
             # Inline: the owner is on the loop, and these are quick, synchronous calls.
             return _run_now(coro)
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(_SEED_TIMEOUT_S)
+
+
+def chain_for(
+    config: KVTierConfig,
+    tiers: Sequence[Tier],
+    rows: int,
+    *,
+    lookup_deadline_s: float,
+    measure_recompute: bool,
+    enable_events: bool = False,
+) -> Chain:
+    """The chain of ``config`` over its open ``tiers`` (as the factory opened them), for
+    either front: each lower tier's role from its config (write policy, promotion
+    up) and from the tier (shared), the CPU tier of ``rows`` rows and its policy, the
+    load-or-recompute decision.
+
+    Parameters
+    ----------
+    lookup_deadline_s
+        How long a lookup may wait on a lower tier (vLLM's; the Engine waits in
+        its own load instead: ``math.inf``).
+    measure_recompute
+        Whether the front's stores follow the compute that made the blocks
+        (vLLM's), so that the recompute cost can be measured from them.
+    """
+    specs = config.chain
+    if len(specs) != len(tiers):  # pragma: no cover - the factory opens one per spec
+        raise ProtocolError(f"{len(tiers)} tiers opened for a chain of {len(specs)}")
+    return Chain(
+        rows,
+        [
+            LowerTier(
+                name,
+                shared=tier.shared,
+                promote_up=i > 0 and spec.promotes_up,
+                write_back=spec.write_policy == "write_back",
+            )
+            for i, ((name, spec), tier) in enumerate(zip(specs, tiers, strict=True))
+        ],
+        lookup_deadline_s=lookup_deadline_s,
+        policy=config.eviction_policy,
+        enable_events=enable_events,
+        decline_slow_loads=config.decline_slow_loads or config.recompute_s_per_block is not None,
+        recompute_s_per_block=config.recompute_s_per_block,
+        measure_recompute=measure_recompute,
+    )
 
 
 class _Handed:

@@ -33,15 +33,11 @@ _Starter = Callable[[], Completion[None]]
 
 @dataclass(slots=True, eq=False)
 class _Link:
-    """One tier of the chain below the CPU region, and how the engine drives it."""
+    """One tier of the chain below the CPU region (its role: ``runtime.chain_for``)."""
 
     name: str
     """``file`` or ``cluster``: the name of its statistics."""
     tier: Tier
-    write_back: bool
-    """Written when the CPU tier evicts a block (and at close), not at store."""
-    promote_up: bool
-    """Blocks promoted from this tier are also given to the tiers above it."""
 
 
 @dataclass(slots=True, eq=False)

@@ -14,13 +14,13 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvtier.chain import Chain, Intent, LowerTier, Outcome, ReadDone, Write
+from kvtier.chain import Intent, Outcome, ReadDone, Write
 from kvtier.config import KVTierConfig
 from kvtier.engine._jobs import _Ids, _Job, _Link
-from kvtier.errors import ClosedError, ProtocolError
+from kvtier.errors import ClosedError
 from kvtier.layout import KVLayout
 from kvtier.region import CPURegion
-from kvtier.runtime import Busy, FrontCounts, Runtime
+from kvtier.runtime import Busy, FrontCounts, Runtime, chain_for
 from kvtier.tiers.base import Tier
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.device import DeviceTransfer, RunsNow
@@ -65,38 +65,16 @@ class _State:
             if transfer.backend == "cpu" and isinstance(transfer, RunsNow)
             else None
         )
-        specs = config.chain
-        if len(specs) != len(tiers):  # pragma: no cover - open builds one from the other
-            raise ProtocolError(f"{len(tiers)} tiers opened for a chain of {len(specs)}")
         self._links: tuple[_Link, ...] = tuple(
-            _Link(
-                name,
-                tier,
-                write_back=spec.write_policy == "write_back",
-                promote_up=i > 0 and spec.promotes_up,
-            )
-            for i, ((name, spec), tier) in enumerate(zip(specs, tiers, strict=True))
+            _Link(name, tier) for (name, _spec), tier in zip(config.chain, tiers, strict=True)
         )
         # The cascade (write-through, write-back on eviction, promotion, a lower
         # tier's failure as a miss) is the chain's, as under vLLM; the engine
         # carries its intents out with awaitables (the runtime, inline).
-        self._chain = Chain(
-            region.rows,
-            [
-                LowerTier(
-                    link.name,
-                    shared=link.tier.shared,
-                    promote_up=link.promote_up,
-                    write_back=link.write_back,
-                )
-                for link in self._links
-            ],
-            lookup_deadline_s=math.inf,
-            policy=config.eviction_policy,
-            decline_slow_loads=config.decline_slow_loads
-            or config.recompute_s_per_block is not None,
-            # The caller computes: the Engine never sees it, so only a set cost declines.
-            recompute_s_per_block=config.recompute_s_per_block,
+        # (a load waits in the Engine, not in a lookup; the caller computes, so
+        # the Engine never sees the recompute cost: only a set one declines)
+        self._chain = chain_for(
+            config, tiers, region.rows, lookup_deadline_s=math.inf, measure_recompute=False
         )
         self._runtime = Runtime(
             self._chain,

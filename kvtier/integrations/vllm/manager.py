@@ -32,9 +32,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 
 from kvtier.chain import (
     Answer,
-    Chain,
     Intent,
-    LowerTier,
     Outcome,
     Read,
     ReadDone,
@@ -64,7 +62,7 @@ from kvtier.metrics import (
     tier_metrics,
 )
 from kvtier.region import CPURegion
-from kvtier.runtime import FrontCounts, FrontStatistics, Runtime
+from kvtier.runtime import FrontCounts, FrontStatistics, Runtime, chain_for
 from kvtier.tiers.base import Announces, Tier
 from kvtier.tiers.factory import aclose_tiers, open_tiers
 
@@ -136,19 +134,13 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._tiers = tiers
         specs = [spec for _name, spec in self._config.chain]
         self._tier_names = [spec.name for spec in specs]
-        self._chain = Chain(
+        self._chain = chain_for(
+            self._config,
+            tiers,
             region.rows,
-            [
-                LowerTier(spec.name, shared=tier.shared, promote_up=i > 0 and spec.promotes_up)
-                for i, (spec, tier) in enumerate(zip(specs, tiers, strict=True))
-            ],
             lookup_deadline_s=settings.lookup_deadline_s,
-            policy=self._config.eviction_policy,
-            enable_events=enable_events,
-            decline_slow_loads=self._config.decline_slow_loads
-            or self._config.recompute_s_per_block is not None,
-            recompute_s_per_block=self._config.recompute_s_per_block,
             measure_recompute=True,  # a step's stores follow the compute that made them
+            enable_events=enable_events,
         )
         # The file tier (the one tier of this instance's own) announces KV events.
         self._event_tier = self._tier_names.index("file") if "file" in self._tier_names else -1
