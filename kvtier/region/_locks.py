@@ -1,4 +1,5 @@
-"""Locks on bytes of a shared file, held by an open file description (``F_OFD_SETLK``).
+"""Locks on bytes of a shared file, held by an open file description (``F_OFD_SETLK``),
+and the loop that creates such a file or joins it.
 
 The primitives of kvtier's shared mappings (the CPU region shared by a
 host's worker processes, the host tier): a lock belongs to the descriptor
@@ -15,8 +16,14 @@ import fcntl
 import os
 import struct
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["acquire", "held_by_others", "release", "set_lock"]
+from kvtier.errors import SharedRegionError
+
+__all__ = ["acquire", "create_or_join", "held_by_others", "release", "set_lock"]
+
+T = TypeVar("T")
 
 _FLOCK = struct.Struct("@hhqqi4x")  # struct flock on 64-bit Linux
 
@@ -57,3 +64,48 @@ def acquire(fd: int, byte: int, deadline: float, *, first_pause: float = 0.0002)
 def release(fd: int, byte: int) -> None:
     """Drop the lock on ``byte``."""
     set_lock(fd, fcntl.F_UNLCK, byte)
+
+
+def create_or_join(
+    path: str,
+    what: str,
+    try_create: Callable[[], T | None],
+    join: Callable[[int], T | None],
+    deadline: float,
+    join_timeout: float,
+) -> T:
+    """Create the shared file at ``path``, or join it, until one of them succeeds.
+
+    ``try_create()`` links a fully made file under ``path`` (None when the name
+    is taken); ``join(fd)`` attaches to the file open at ``fd`` (None when it
+    was removed under us: the loop tries again; ``fd`` is closed then, and on
+    an error). ``what`` names the file in errors (``"shared region"``).
+
+    Raises
+    ------
+    SharedRegionError
+        ``path`` cannot be opened, or kept being removed past ``deadline``.
+    """
+    while True:
+        created = try_create()
+        if created is not None:
+            return created
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue  # removed between the link attempt and the open: create again
+        except OSError as exc:
+            raise SharedRegionError(f"cannot open {what} {path}: {exc}") from exc
+        try:
+            joined = join(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if joined is not None:
+            return joined
+        os.close(fd)
+        if time.monotonic() >= deadline:
+            raise SharedRegionError(
+                f"could not join {what} {path} within {join_timeout} s: it kept being "
+                "removed under us"
+            )

@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass
 
 from kvtier.errors import CapacityError, InvalidArgumentError, SharedRegionError
-from kvtier.region._locks import acquire, release
+from kvtier.region._locks import acquire, create_or_join, release
 from kvtier.region._locks import held_by_others as _held_by_others
 from kvtier.region._locks import set_lock as _setlk
 from kvtier.region._mmap import PAGE_SIZE, PMD_SIZE, memory_bytes, round_up
@@ -322,29 +322,14 @@ def attach(
     path = region_path(name)
     deadline = time.monotonic() + join_timeout
     reap(REAP_AFTER)
-    while True:
-        created = _try_create(path, geometry, rank, holder)
-        if created is not None:
-            return created
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue  # removed between our link attempt and open: try to create again
-        except OSError as exc:
-            raise SharedRegionError(f"cannot open shared region {path}: {exc}") from exc
-        try:
-            joined = _join(fd, path, geometry, rank, deadline, join_timeout)
-        except BaseException:
-            os.close(fd)
-            raise
-        if joined is not None:
-            return joined
-        os.close(fd)
-        if time.monotonic() >= deadline:
-            raise SharedRegionError(
-                f"could not join shared region {path} within {join_timeout} s: it kept "
-                "being removed under us"
-            )
+    return create_or_join(
+        path,
+        "shared region",
+        lambda: _try_create(path, geometry, rank, holder),
+        lambda fd: _join(fd, path, geometry, rank, deadline, join_timeout),
+        deadline,
+        join_timeout,
+    )
 
 
 def _try_create(path: str, geometry: Geometry, rank: int | None, holder: bool) -> Attachment | None:

@@ -50,7 +50,7 @@ from kvtier.errors import (
     NamespaceMismatchError,
     SharedRegionError,
 )
-from kvtier.region._locks import acquire, release
+from kvtier.region._locks import acquire, create_or_join, release
 from kvtier.region._locks import held_by_others as _held_by_others
 from kvtier.region._locks import set_lock as _setlk
 from kvtier.region._mmap import PAGE_SIZE, memory_bytes, round_up
@@ -384,30 +384,18 @@ def attach(
     geometry.check()
     path = segment_path(geometry.namespace, directory)
     deadline = time.monotonic() + join_timeout
-    while True:
-        if not os.path.lexists(path):
-            created = _try_create(path, directory, geometry, register, undo)
-            if created is not None:
-                return created
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise SharedRegionError(f"cannot open host segment {path}: {exc}") from exc
-        try:
-            joined = _join(fd, path, geometry, deadline, join_timeout, register)
-        except BaseException:
-            os.close(fd)
-            raise
-        if joined is not None:
-            return joined
-        os.close(fd)
-        if time.monotonic() >= deadline:
-            raise SharedRegionError(
-                f"could not join host segment {path} within {join_timeout} s: it kept being "
-                "removed under us"
-            )
+    return create_or_join(
+        path,
+        "host segment",
+        lambda: (
+            None
+            if os.path.lexists(path)
+            else _try_create(path, directory, geometry, register, undo)
+        ),
+        lambda fd: _join(fd, path, geometry, deadline, join_timeout, register),
+        deadline,
+        join_timeout,
+    )
 
 
 def _map(fd: int, length: int) -> mmap.mmap:
