@@ -39,29 +39,61 @@ Device copier (:class:`FaultyDeviceTransfer`):
     The copy really runs, then fails with :class:`~kvtier.errors.TransferError`
     as if it had stopped part way: whatever the request wrote is garbage to
     the caller.
+
+A slow tier
+-----------
+:class:`SlowTier` wraps a real :class:`~kvtier.tiers.base.Tier` (the file
+tier, the cluster tier) and makes its loads slower, not wrong: a tier slower
+than recomputing the blocks it holds, for the load-or-recompute decision
+(``decline_slow_loads``) to be tested and benchmarked against::
+
+    tier = SlowTier(await FileTier.open(config, layout, block_bytes=...), read_delay_s=0.5)
+
+Every load's bytes and outcome are the real ones; only the completion comes
+later. No seed: nothing is drawn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import functools
+import math
 import mmap
 import os
 import random
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, NoReturn, TypeVar
+from typing import Any, Final, NoReturn, TypeVar, cast
 
 import numpy as np
 
 from kvtier.errors import InvalidArgumentError, TierIOError, TransferError
+from kvtier.manager.events import ManagerEvent
 from kvtier.testing.io_engine import _trim
+from kvtier.tiers.base import (
+    Announces,
+    LoadResult,
+    Recovers,
+    Refreshable,
+    StoreResult,
+    Tier,
+    TierStatistics,
+    Watched,
+)
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.device import BlockIds, DeviceTransfer, TransferStatistics
 from kvtier.transfer.io_engine import IOEngine
 
-__all__ = ["DEVICE_FAULTS", "IO_FAULTS", "FaultPlan", "FaultyDeviceTransfer", "FaultyIOEngine"]
+__all__ = [
+    "DEVICE_FAULTS",
+    "IO_FAULTS",
+    "FaultPlan",
+    "FaultyDeviceTransfer",
+    "FaultyIOEngine",
+    "SlowTier",
+]
 
 IO_FAULTS: Final = frozenset(
     {"eio", "enospc", "eacces", "short_read", "short_write", "torn_write", "latency"}
@@ -273,6 +305,219 @@ class FaultyDeviceTransfer(DeviceTransfer):
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+class SlowTier(Tier):
+    """A :class:`~kvtier.tiers.base.Tier` whose loads complete later than the real ones.
+
+    Parameters
+    ----------
+    inner
+        The real tier, open; every call goes to it. Closing the wrapper closes it.
+    read_delay_s
+        Each load completes no earlier than this many seconds after it was
+        submitted (a round trip, a seek): loads in flight together wait
+        side by side.
+    bandwidth
+        Bytes per second of one link that every load goes through in the
+        order submitted (``None``: no cap): a load of ``n`` blocks holds it
+        for ``n * block_bytes / bandwidth`` seconds from when the loads
+        before it let go, and completes no earlier than that plus
+        ``read_delay_s``. Every key asked counts, found or not.
+
+    Notes
+    -----
+    A load is submitted to ``inner`` at once (bad arguments raise as they
+    would) and its completion resolves with the real outcome at the later of
+    the real completion and the time above, by ``loop.call_at``: never
+    earlier, and only as much later as the event loop is late. The buffers
+    are written by the real load, so they are done when the returned
+    completion is. Stores, lookups and everything else are the inner tier's,
+    unchanged, and so are its optional abilities: the wrapper is
+    :class:`~kvtier.tiers.base.Watched`, :class:`~kvtier.tiers.base.Recovers`,
+    :class:`~kvtier.tiers.base.Refreshable` or
+    :class:`~kvtier.tiers.base.Announces` exactly when ``inner`` is (its
+    class is picked per inner tier), and its ``statistics()`` is the inner's
+    record (:class:`~kvtier.tiers.base.HasMetrics` included). :meth:`aclose`
+    closes ``inner`` (which waits for its loads), then resolves every load
+    still held back at once: nothing handed out is left pending.
+    """
+
+    __slots__ = ("_bandwidth", "_closing", "_delay", "_free_at", "_held", "_inner")
+
+    def __new__(
+        cls, inner: Tier, *, read_delay_s: float = 0.0, bandwidth: float | None = None
+    ) -> SlowTier:
+        return super().__new__(_slow_class(cls, _abilities(inner)))
+
+    def __init__(
+        self, inner: Tier, *, read_delay_s: float = 0.0, bandwidth: float | None = None
+    ) -> None:
+        if not (read_delay_s >= 0 and math.isfinite(read_delay_s)):
+            raise InvalidArgumentError(f"read_delay_s must be >= 0 and finite, got {read_delay_s}")
+        if bandwidth is not None and not bandwidth > 0:
+            raise InvalidArgumentError(f"bandwidth must be > 0 bytes/s, got {bandwidth}")
+        self._inner = inner
+        self._delay = read_delay_s
+        self._bandwidth = bandwidth
+        self._free_at = 0.0
+        """Loop time at which the link's last submitted load lets go of it."""
+        self._held: dict[Completion[LoadResult], tuple[Completion[LoadResult], Any]] = {}
+        """Loads held back: what was handed out -> the real load, its timer (or None)."""
+        self._closing = False
+
+    @property
+    def inner(self) -> Tier:
+        """The real tier."""
+        return self._inner
+
+    @property
+    def held(self) -> int:
+        """Loads whose completion is being held back now."""
+        return len(self._held)
+
+    # -- the inner tier's, unchanged ----------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        return self._inner.block_bytes
+
+    @property
+    def closed(self) -> bool:
+        return self._inner.closed
+
+    @property
+    def recovering(self) -> bool:
+        return self._inner.recovering
+
+    @property
+    def shared(self) -> bool:
+        return self._inner.shared
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        return self._inner.lookup(keys)
+
+    def is_ready(self, key: bytes) -> bool:
+        return self._inner.is_ready(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._inner
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self._inner.touch(keys)
+
+    def statistics(self) -> TierStatistics:
+        return self._inner.statistics()
+
+    def store(
+        self, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> Completion[StoreResult]:
+        return self._inner.store(keys, buffers)
+
+    def remove(self, keys: Sequence[bytes]) -> None:
+        self._inner.remove(keys)
+
+    # -- slower loads -------------------------------------------------------------------
+
+    def load(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> Completion[LoadResult]:
+        real = self._inner.load(keys, buffers)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        due = now
+        if self._bandwidth is not None:
+            self._free_at = max(now, self._free_at) + len(keys) * self.block_bytes / self._bandwidth
+            due = self._free_at
+        due += self._delay
+        if due <= now:
+            return real
+        out: Completion[LoadResult] = Completion(loop)
+        self._held[out] = (real, None)
+
+        def arrived(c: Completion[LoadResult]) -> None:
+            if self._closing or loop.time() >= due:
+                self._release(out)
+            elif out in self._held:
+                self._held[out] = (c, loop.call_at(due, self._release, out))
+
+        real.add_done_callback(arrived)
+        return out
+
+    def _release(self, out: Completion[LoadResult]) -> None:
+        real, timer = self._held.pop(out, (None, None))
+        if timer is not None:
+            timer.cancel()
+        if real is None:
+            return
+        exc = real.exception()
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(real.result())
+
+    async def aclose(self) -> None:
+        """Close the inner tier (it waits for its loads), then release every held load."""
+        self._closing = True
+        try:
+            await self._inner.aclose()
+        finally:
+            for out, (real, _timer) in list(self._held.items()):
+                if real.done():
+                    self._release(out)
+
+
+# The optional abilities (runtime-checkable Protocols: an attribute makes a class
+# have one), each passed on to the inner tier by a mixin; SlowTier's class for an
+# inner tier has exactly the inner's.
+
+
+class _SlowWatched(SlowTier):
+    __slots__ = ()
+
+    def watch(self, listener: Callable[[Sequence[bytes], Sequence[bytes]], None]) -> None:
+        cast(Watched, self._inner).watch(listener)
+
+
+class _SlowRecovers(SlowTier):
+    __slots__ = ()
+
+    async def wait_recovered(self) -> None:
+        await cast(Recovers, self._inner).wait_recovered()
+
+    def take_recovered_keys(self) -> list[bytes]:
+        return cast(Recovers, self._inner).take_recovered_keys()
+
+
+class _SlowRefreshable(SlowTier):
+    __slots__ = ()
+
+    async def refresh(self, keys: Sequence[bytes]) -> int:
+        return await cast(Refreshable, self._inner).refresh(keys)
+
+
+class _SlowAnnounces(SlowTier):
+    __slots__ = ()
+
+    def take_events(self) -> list[ManagerEvent]:
+        return cast(Announces, self._inner).take_events()
+
+
+_ABILITIES: Final = (
+    (Watched, _SlowWatched),
+    (Recovers, _SlowRecovers),
+    (Refreshable, _SlowRefreshable),
+    (Announces, _SlowAnnounces),
+)
+
+
+def _abilities(inner: Tier) -> tuple[type[SlowTier], ...]:
+    return tuple(mixin for ability, mixin in _ABILITIES if isinstance(inner, ability))
+
+
+@functools.cache
+def _slow_class(base: type[SlowTier], mixins: tuple[type[SlowTier], ...]) -> type[SlowTier]:
+    if not mixins:
+        return base
+    return cast(type[SlowTier], type(base.__name__, (*mixins, base), {"__slots__": ()}))
 
 
 # -- helpers ----------------------------------------------------------------------------
