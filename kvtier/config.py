@@ -46,10 +46,12 @@ __all__ = [
     "DirectIOMode",
     "EvictionPolicyName",
     "FileTierConfig",
+    "HostTierConfig",
     "IOEngineName",
     "KVTierConfig",
     "QueueDepth",
     "RecoveryMode",
+    "TierConfig",
     "WritePolicy",
     "parse_bytes",
 ]
@@ -334,6 +336,60 @@ class FileTierConfig(_Frozen):
         return False
 
 
+class HostTierConfig(_Frozen):
+    """One CPU tier per host in shared memory, shared by every instance on it.
+
+    In :class:`KVTierConfig` it is the highest lower tier (CPU -> host -> file
+    -> cluster): every block stored from the device is also written to this
+    instance's rows of the host segment, and a block any instance on the host
+    holds is read from its row (verified) into a CPU row. See
+    ``docs/host-tier.md``.
+    """
+
+    bytes_to_use: Bytes
+    """The host budget: the whole segment's rows (``4096 + block`` bytes each,
+    rounded to pages), for every instance together. Every instance of the
+    namespace on the host gives the same value; one that gives another is
+    refused (``ConfigurationError`` naming both) while the segment is live."""
+    instances: int = Field(default=2, ge=1, le=256, strict=True)
+    """Instances attached at once at most (one per GPU, typically): each owns
+    at most ``rows // instances`` rows (it stores, evicts and reuses only its
+    own) and reads every row. Checked like ``bytes_to_use``."""
+    directory: Path = Path("/dev/shm")
+    """Where the segment file lives: a tmpfs (or hugetlbfs) mount."""
+    lease_ttl_s: float = Field(default=5.0, gt=0, le=600)
+    """A reader's lease on a peer's row older than this is not honoured by the
+    row's owner (the reader's checks after its copy still make a reused row a
+    miss, never wrong bytes)."""
+    peer_poll_s: float = Field(default=0.02, ge=MIN_PEER_POLL_S, le=10, strict=True)
+    """How often the blocks other instances stored (or evicted) are picked up
+    (a compare of the row table's sequence words: no syscall)."""
+    write_policy: Literal["write_through"] = "write_through"
+    """Every stored block is written to the host tier at once (so that the other
+    instances find it); the only policy."""
+
+    @field_validator("directory")
+    @classmethod
+    def _directory(cls, value: Path) -> Path:
+        if not value.is_dir():
+            raise ValueError(f"{value} is not a directory (a tmpfs mount such as /dev/shm)")
+        return value
+
+    name: ClassVar[str] = "host"
+    """The tier's name in a chain (statistics, logs)."""
+
+    @property
+    def buffer_alignment(self) -> int | None:
+        """None: the host tier copies rows with memcpy and needs no alignment."""
+        return None
+
+    @property
+    def promotes_up(self) -> bool:
+        """A block read from the file tier also goes to the host tier above it, when
+        there is one (so that the other instances on the host find it in RAM)."""
+        return True
+
+
 ClusterMode = Literal["cluster", "single"]
 
 _NODE = r"^[A-Za-z0-9_.\-\[\]:]{1,255}:[0-9]{1,5}$"
@@ -460,11 +516,15 @@ class ClusterTierConfig(_Frozen):
         return out
 
 
+TierConfig = HostTierConfig | FileTierConfig | ClusterTierConfig
+"""The configuration of one tier below the CPU region."""
+
+
 class KVTierConfig(_Frozen):
     """An engine instance: CPU region budget, offload granularity and the tiers below.
 
-    The tiers below the CPU region form one chain, highest first: the file
-    tier, then the cluster tier; either may be absent.
+    The tiers below the CPU region form one chain, highest first: the host
+    tier, the file tier, then the cluster tier; any may be absent.
     """
 
     cpu_bytes_to_use: Bytes
@@ -474,6 +534,9 @@ class KVTierConfig(_Frozen):
     """Device blocks per offloaded block (one CPU row, one file)."""
     eviction_policy: EvictionPolicyName = "lru"
     """Which blocks leave the CPU region first when it is full."""
+    host_tier: HostTierConfig | None = None
+    """One CPU tier for every instance on the host, in shared memory, directly
+    below this instance's CPU region, or ``None``."""
     file_tier: FileTierConfig | None = None
     """The filesystem tier, directly below the CPU region, or ``None``."""
     cluster_tier: ClusterTierConfig | None = None
@@ -511,9 +574,9 @@ class KVTierConfig(_Frozen):
         return self
 
     @property
-    def chain(self) -> tuple[tuple[str, FileTierConfig | ClusterTierConfig], ...]:
-        """The tiers below the CPU region, highest first, by name (``file``, ``cluster``)."""
-        specs = (self.file_tier, self.cluster_tier)
+    def chain(self) -> tuple[tuple[str, TierConfig], ...]:
+        """The tiers below the CPU region, highest first, by name (host, file, cluster)."""
+        specs = (self.host_tier, self.file_tier, self.cluster_tier)
         return tuple((spec.name, spec) for spec in specs if spec is not None)
 
     @property

@@ -187,6 +187,17 @@ class TierMetrics:
     its keys are misses until a background probe finds it again."""
     nodes_down: int | None = None
     """Cluster tier: nodes not answering now."""
+    peer_hits_total: int | None = None
+    """Host tier: verified loads of blocks other instances on the host stored
+    (from their rows)."""
+    stale_peer_reads_total: int | None = None
+    """Host tier: loads of another instance's row that found it reused, being
+    written or failing its checksum while read: a miss, never wrong bytes."""
+    leases_outstanding: int | None = None
+    """Host tier: leases on rows held now by live readers (this instance's rows
+    cannot be reused under them)."""
+    rows_held: int | None = None
+    """Host tier: rows of the host segment this instance owns."""
 
     def as_dict(self) -> dict[str, int | float | str]:
         """The figures this tier has, by field name (the ``statistics_file`` section)."""
@@ -223,6 +234,10 @@ _HELP = {
     "recovery_state": "1 for this tier's recovery state (running, complete, failed), else 0.",
     "node_outages_total": "Times a node of this tier stopped answering (its keys then miss).",
     "nodes_down": "Nodes of this tier not answering now.",
+    "peer_hits_total": "Host tier: verified loads of blocks other instances on the host stored.",
+    "stale_peer_reads_total": "Host tier: reads of another instance's row that found it reused.",
+    "leases_outstanding": "Host tier: leases live readers hold on rows now.",
+    "rows_held": "Host tier: rows of the host segment this instance owns.",
 }
 
 _ENGINE_ONLY = {"read_busy_seconds_total", "write_busy_seconds_total"}

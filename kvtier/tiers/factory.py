@@ -5,8 +5,8 @@ Both fronts (:class:`~kvtier.engine.Engine` and the vLLM front's
 tiers below the CPU region here, from :attr:`KVTierConfig.chain
 <kvtier.config.KVTierConfig.chain>`: the configuration is plain data, and this
 module is the one place that turns each of its tier configurations into an
-open :class:`~kvtier.tiers.base.Tier`. It sits above the tiers it opens (file,
-cluster) and below the fronts, so no tier and no configuration imports it.
+open :class:`~kvtier.tiers.base.Tier`. It sits above the tiers it opens (host,
+file, cluster) and below the fronts, so no tier and no configuration imports it.
 
 * :func:`open_tiers` opens them in chain order, highest first; if one fails,
   those opened before it are closed again (lowest first) before the error
@@ -21,12 +21,13 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvtier.config import ClusterTierConfig, FileTierConfig, KVTierConfig
+from kvtier.config import ClusterTierConfig, HostTierConfig, KVTierConfig, TierConfig
 from kvtier.errors import InvalidArgumentError
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import Tier
 from kvtier.tiers.cluster import ClusterTier
 from kvtier.tiers.file import FileTier
+from kvtier.tiers.host import ChainedHostTier
 
 if TYPE_CHECKING:
     from kvtier.region import CPURegion
@@ -38,7 +39,7 @@ log = logging.getLogger("kvtier.tiers")
 
 
 async def open_tier(
-    spec: FileTierConfig | ClusterTierConfig,
+    spec: TierConfig,
     layout: KVLayout,
     region: CPURegion,
     *,
@@ -51,8 +52,11 @@ async def open_tier(
     no pages per request; where it refuses, the I/O goes as before: see
     :meth:`FileTier.register_memory <kvtier.tiers.file.FileTier.register_memory>`),
     ``io_engine`` (one of its own when ``None``) and ``enable_events``. A
-    cluster tier takes neither: its values go through its client.
+    cluster tier takes neither: its values go through its client; nor does the
+    host tier, which copies rows in memory.
     """
+    if isinstance(spec, HostTierConfig):
+        return await ChainedHostTier.open(spec, layout, block_bytes=region.row_stride)
     if isinstance(spec, ClusterTierConfig):
         return await ClusterTier.open(spec, layout, block_bytes=region.row_stride)
     tier = await FileTier.open(
@@ -85,7 +89,7 @@ async def open_tiers(
     ----------
     config
         The instance's configuration: its :attr:`~kvtier.config.KVTierConfig.chain`
-        names the tiers (none, file, cluster, or file then cluster).
+        names the tiers (any of host, file and cluster, in that order).
     layout
         The KV layout: the namespace of every block the tiers hold.
     region

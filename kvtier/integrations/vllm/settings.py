@@ -33,6 +33,7 @@ _OWN_KEYS = frozenset(
     {
         "cpu_bytes_to_use",
         "eviction_policy",
+        "host_tier",
         "file_tier",
         "cluster_tier",
         "statistics_file",
@@ -72,7 +73,8 @@ def parse_extra_config(
     ----------
     extra
         vLLM's ``kv_connector_extra_config``. kvtier's keys:
-        ``cpu_bytes_to_use`` (required), ``eviction_policy``, ``file_tier``
+        ``cpu_bytes_to_use`` (required), ``eviction_policy``, ``host_tier``
+        (:class:`~kvtier.config.HostTierConfig` fields), ``file_tier``
         (a table of :class:`~kvtier.config.FileTierConfig` fields: ``root``,
         ``bytes_to_use``, ``write_policy``, ``eviction_policy``, ...),
         ``cluster_tier`` (:class:`~kvtier.config.ClusterTierConfig` fields, the
@@ -121,6 +123,7 @@ def parse_extra_config(
         for k in (
             "cpu_bytes_to_use",
             "eviction_policy",
+            "host_tier",
             "file_tier",
             "cluster_tier",
             "decline_slow_loads",

@@ -1,13 +1,15 @@
 """The host tier: one CPU tier per host, in shared memory, shared by every instance on it.
 
-Its shared-memory core (issue 44, first step): not wired into the chain or the
-fronts yet. See ``docs/host-tier.md``.
+A tier of the chain (``host_tier`` in :class:`~kvtier.config.KVTierConfig`),
+directly below each instance's CPU region. See ``docs/host-tier.md``.
 
 * ``_layout``: the segment file (``/dev/shm/kvtier.host.<namespace hex>``), its
   header and geometry, its locks; creating, joining and removing it (:func:`reap_host_segments`);
 * ``_table``: the shared tables (rows, instances, leases) and the protocols on them;
 * ``_tier``: :class:`HostTier`, one instance's view: store, look up, load verified,
-  adopt, and its :class:`HostTierStatistics`.
+  adopt, and its :class:`HostTierStatistics`;
+* ``_chained``: :class:`ChainedHostTier`, the host tier behind the chain's
+  :class:`~kvtier.tiers.base.Tier` contract (what the tier factory opens).
 
 Every row carries :mod:`kvtier.tiers.block_format`'s header, as the file and
 cluster tiers' blocks do.
@@ -15,12 +17,14 @@ cluster tiers' blocks do.
 
 from __future__ import annotations
 
+from kvtier.tiers.host._chained import ChainedHostTier
 from kvtier.tiers.host._layout import SHM_DIR, Geometry, segment_path
 from kvtier.tiers.host._layout import reap as reap_host_segments
 from kvtier.tiers.host._tier import HostTier, HostTierStatistics
 
 __all__ = [
     "SHM_DIR",
+    "ChainedHostTier",
     "Geometry",
     "HostTier",
     "HostTierStatistics",

@@ -92,6 +92,53 @@ class HostTierStatistics:
     """Rows this instance took over from instances that closed or died."""
     rows_reset: int
     """Of those, rows whose owner died writing them (reset: they held nothing readable)."""
+    evictions: int = 0
+    """Blocks of this instance's rows evicted to make room for its stores."""
+    integrity_failures: int = 0
+    """Loads of this instance's own rows that failed verification (damaged in
+    memory): dropped, a miss."""
+
+    # The figures every tier of a chain reports (kvtier.tiers.base.TierStatistics).
+
+    @property
+    def block_bytes(self) -> int:
+        """Payload bytes per block (a row's)."""
+        return self.row_bytes
+
+    @property
+    def hits(self) -> int:
+        """Verified loads, from this instance's rows and its peers'."""
+        return self.own_hits + self.peer_hits
+
+    @property
+    def store_failures(self) -> int:
+        """Stores that found no row (every row of this instance leased)."""
+        return self.stores_without_room
+
+    @property
+    def bytes_read(self) -> int:
+        """Payload bytes of verified loads."""
+        return self.hits * self.row_bytes
+
+    @property
+    def bytes_written(self) -> int:
+        """Payload bytes of this instance's stores."""
+        return self.stores * self.row_bytes
+
+    def metric_figures(self) -> dict[str, int | float | str]:
+        """The host tier's own figures of :class:`kvtier.metrics.TierMetrics`."""
+        return {
+            "integrity_failures_total": self.integrity_failures,
+            "evictions_total": self.evictions,
+            "vanished_blocks_total": self.stale_peer_reads,
+            "peer_blocks": self.blocks - self.own_blocks,
+            "peer_hits_total": self.peer_hits,
+            "stale_peer_reads_total": self.stale_peer_reads,
+            "leases_outstanding": self.leases_outstanding,
+            "rows_held": self.rows_held[self.slot],
+            "used_bytes": self.own_blocks * self.row_bytes,
+            "capacity_bytes": self.quota * self.row_bytes,
+        }
 
 
 class HostTier:
@@ -125,7 +172,11 @@ class HostTier:
         self._scratch = bytearray(HEADER_BYTES)
         self._stores = self._dups = self._no_room = 0
         self._own_hits = self._peer_hits = self._stale = self._misses = 0
-        self._adopted = self._reset = 0
+        self._adopted = self._reset = self._evictions = self._damaged = 0
+        self._evicted: list[bytes] = []
+        self._changes: dict[bytes, bool] = {}
+        """Keys that came to be held on the host (True) or stopped being so
+        (False) since :meth:`take_changes`, as this instance saw them."""
 
     # -- opening and closing --------------------------------------------------------------------
 
@@ -298,6 +349,16 @@ class HostTier:
         """Every key the host held at the last :meth:`refresh`."""
         return list(self._where)
 
+    def payload_offset(self, key: bytes) -> int | None:
+        """Where ``key``'s payload starts in the segment file, if this instance's row
+        holds it (for tools and tests that look at the file)."""
+        row = self._lru.get(key)
+        return None if row is None else self._table.row_offset(row) + HEADER_BYTES
+
+    def owns(self, key: bytes) -> bool:
+        """Whether ``key``'s block is in one of this instance's rows."""
+        return key in self._lru
+
     def own_keys(self) -> list[bytes]:
         """Keys of the blocks in this instance's rows, least recently used first."""
         return list(self._lru)
@@ -320,8 +381,39 @@ class HostTier:
                 self._unplace(old, row)
             self._row_key[row] = key
             if key is not None:
-                self._where.setdefault(key, []).append(row)
+                self._place(key, row, first=False)
         return len(changed)
+
+    def _place(self, key: bytes, row: int, *, first: bool) -> None:
+        rows = self._where.get(key)
+        if rows is None:
+            self._where[key] = [row]
+            self._changes[key] = True
+        elif first:
+            rows.insert(0, row)
+        else:
+            rows.append(row)
+
+    def take_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """Keys that came to be held on the host, and keys no longer held, since the
+        last call (as :meth:`refresh` and this instance's own stores and evictions
+        found them): ``(added, removed)``."""
+        changes, self._changes = self._changes, {}
+        added = [k for k, there in changes.items() if there and k in self._where]
+        removed = [k for k, there in changes.items() if not there and k not in self._where]
+        return added, removed
+
+    def take_evicted(self) -> list[bytes]:
+        """Keys this instance's stores evicted from its rows since the last call."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark blocks of this instance's rows used, as a load would (others' are theirs)."""
+        lru = self._lru
+        for key in keys:
+            if key in lru:
+                lru.move_to_end(key)
 
     def _unplace(self, key: bytes, row: int) -> None:
         rows = self._where.get(key)
@@ -331,6 +423,7 @@ class HostTier:
             rows.remove(row)
         if not rows:
             del self._where[key]
+            self._changes[key] = False
 
     def _forget(self, row: int) -> None:
         old = self._row_key[row]
@@ -428,7 +521,9 @@ class HostTier:
                         self._free.insert(0, r)
                     continue
                 if key_held is not None:
-                    self._lru.pop(key_held, None)
+                    if self._lru.pop(key_held, None) is not None:
+                        self._evicted.append(key_held)
+                        self._evictions += 1
                     self._forget(r)
                 got.append((r, seq | 1))
             if len(tried) >= len(self._own_rows):
@@ -457,7 +552,7 @@ class HostTier:
         t.words[t.seq_word(row)] = seq + 1
         self._seen[row] = seq + 1
         self._row_key[row] = key
-        self._where.setdefault(key, []).insert(0, row)
+        self._place(key, row, first=True)
         self._lru[key] = row
         self._stores += 1
 
@@ -526,6 +621,7 @@ class HostTier:
             else:  # damaged in memory (nobody else writes it): drop it
                 self.remove(key)
                 self._misses += 1
+                self._damaged += 1
             return ok
         if ok:
             self._peer_hits += 1
@@ -643,4 +739,6 @@ class HostTier:
             leases_expired=expired,
             rows_adopted=self._adopted,
             rows_reset=self._reset,
+            evictions=self._evictions,
+            integrity_failures=self._damaged,
         )

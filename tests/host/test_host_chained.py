@@ -1,0 +1,177 @@
+"""The host tier as a tier of the chain: the Tier contract, and Engines sharing one host tier."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+
+from kvtier import Engine, KVLayout, KVTierConfig, chain_keys
+from kvtier.config import FileTierConfig, HostTierConfig
+from kvtier.errors import ConfigurationError
+from kvtier.layout import TensorSpec
+from kvtier.testing.tier import OpenTier, TierSuite
+from kvtier.tiers.base import Tier, Watched
+from kvtier.tiers.host import ChainedHostTier, segment_path
+
+BLOCK = 8192
+
+
+def _layout(model: str) -> KVLayout:
+    spec = TensorSpec(name="kv", shape=(8, 2048), dtype="float16", itemsize=2, kv_first=False)
+    return KVLayout(tensors=(spec,), model_id=model, block_tokens=16)
+
+
+def _left_behind(paths: list[str]) -> list[str]:
+    """The segments of ``paths`` still there, removed (so that one failure stays one)."""
+    left = [p for p in paths if os.path.exists(p)]
+    for p in left:
+        os.unlink(p)
+    return left
+
+
+def test_the_chained_host_tier_implements_the_contract() -> None:
+    assert issubclass(ChainedHostTier, Tier)
+    assert not ChainedHostTier.__abstractmethods__
+
+
+class TestChainedHostTier(TierSuite):
+    block_bytes = BLOCK
+
+    @pytest_asyncio.fixture
+    async def open_tier(self) -> AsyncIterator[OpenTier]:
+        opened: list[ChainedHostTier] = []
+        paths: list[str] = []
+
+        async def _open() -> Tier:
+            layout = _layout(uuid.uuid4().hex)  # a namespace, so a segment, per tier
+            config = HostTierConfig(bytes_to_use=32 * (4096 + BLOCK), instances=1)
+            tier = await ChainedHostTier.open(config, layout, block_bytes=BLOCK)
+            opened.append(tier)
+            paths.append(tier.host.path)
+            assert isinstance(tier, Watched)
+            return tier
+
+        yield _open
+        for tier in opened:
+            await tier.aclose()
+        left = _left_behind(paths)
+        assert not left, f"segments left behind: {left}"
+
+    async def damage(self, tier: Tier, key: bytes) -> None:
+        assert isinstance(tier, ChainedHostTier)
+        at = tier.host.payload_offset(key)
+        assert at is not None
+        fd = os.open(tier.host.path, os.O_RDWR)
+        try:
+            byte = os.pread(fd, 1, at + 7)
+            os.pwrite(fd, bytes([byte[0] ^ 0xFF]), at + 7)
+        finally:
+            os.close(fd)
+
+    def verification_failures(self, stats: Any) -> int:
+        return int(stats.integrity_failures)
+
+
+# -- Engines on one host tier ------------------------------------------------------------
+
+NUM_BLOCKS = 32
+Tensors = list[torch.Tensor]
+
+
+def _kv(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, NUM_BLOCKS, 4, 2, 16, generator=g).to(torch.float16) for _ in range(2)]
+
+
+def _config(tmp_path: Path, model: str, *, host_rows: int = 64, file: bool = False) -> KVTierConfig:
+    layout = KVLayout.from_tensors(_kv(0), model_id=model, block_tokens=4, num_blocks=NUM_BLOCKS)
+    row = -(-layout.bytes_per_chunk // 4096) * 4096
+    return KVTierConfig(
+        cpu_bytes_to_use=8 * row,
+        host_tier=HostTierConfig(bytes_to_use=host_rows * (row + 4096), instances=2),
+        file_tier=(
+            FileTierConfig(root=tmp_path / "file", bytes_to_use=64 * (row + 4096) + 4096)
+            if file
+            else None
+        ),
+    )
+
+
+@pytest_asyncio.fixture
+async def two_engines(tmp_path: Path) -> AsyncIterator[tuple[Engine, Engine, list[Tensors]]]:
+    model = uuid.uuid4().hex
+    config = _config(tmp_path, model)
+    kv_a, kv_b = _kv(1), _kv(2)
+    layout = KVLayout.from_tensors(kv_a, model_id=model, block_tokens=4, num_blocks=NUM_BLOCKS)
+    a = await Engine.open(config, layout, kv_a)
+    b = await Engine.open(config, layout, kv_b)
+    path = segment_path(layout.namespace)
+    try:
+        yield a, b, [kv_a, kv_b]
+    finally:
+        await a.aclose()
+        await b.aclose()
+    assert not _left_behind([path]), "the last engine's close left the host segment"
+
+
+def _keys(engine: Engine, n: int, salt: int) -> list[bytes]:
+    tokens = [salt * 100_000 + i for i in range(n * engine.block_tokens)]
+    return chain_keys(tokens, engine.block_tokens, engine.namespace)
+
+
+async def test_an_engine_loads_what_another_stored_byte_for_byte(
+    two_engines: tuple[Engine, Engine, list[Tensors]],
+) -> None:
+    a, b, (kv_a, kv_b) = two_engines
+    keys = _keys(a, 8, salt=1)
+    await a.store(keys, list(range(8)))
+    await a.flush()  # written through to the host tier
+    # B picks A's blocks up within peer_poll_s; refresh picks them up now.
+    assert await b.refresh(keys) == 8
+    assert await b.load(keys, list(range(10, 18))) == 8
+    for i in range(8):
+        for ta, tb in zip(kv_a, kv_b, strict=True):
+            assert torch.equal(ta[:, i], tb[:, 10 + i]), f"block {i} differs"
+    host = b.statistics().tiers["host"]
+    assert host.statistics.peer_hits == 8
+    assert host.statistics.own_hits == 0
+    # A stored each block once; B stored none and holds none.
+    assert a.statistics().tiers["host"].statistics.stores == 8
+
+
+async def test_a_block_the_host_holds_is_not_stored_twice(
+    two_engines: tuple[Engine, Engine, list[Tensors]],
+) -> None:
+    a, b, _ = two_engines
+    keys = _keys(a, 4, salt=2)
+    await a.store(keys, [0, 1, 2, 3])
+    await a.flush()
+    await b.store(keys, [4, 5, 6, 7])  # B computed the same blocks
+    await b.flush()
+    # B's chain knows the host holds them (or the host skips them): no second copy.
+    sb = b.statistics().tiers["host"].statistics
+    assert sb.stores == 0
+    assert sb.own_blocks == 0
+    assert a.statistics().tiers["host"].statistics.own_blocks == 4
+
+
+async def test_an_instance_with_another_budget_is_refused_naming_both(tmp_path: Path) -> None:
+    model = uuid.uuid4().hex
+    kv = _kv(1)
+    layout = KVLayout.from_tensors(kv, model_id=model, block_tokens=4, num_blocks=NUM_BLOCKS)
+    a = await Engine.open(_config(tmp_path, model, host_rows=64), layout, kv)
+    try:
+        other = _config(tmp_path, model, host_rows=32)
+        with pytest.raises(ConfigurationError) as err:
+            await Engine.open(other, layout, _kv(2))
+        assert str(64 * (other.host_tier.bytes_to_use // 32)) in str(err.value)  # type: ignore[union-attr]
+        assert str(other.host_tier.bytes_to_use) in str(err.value)  # type: ignore[union-attr]
+    finally:
+        await a.aclose()
