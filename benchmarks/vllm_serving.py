@@ -41,6 +41,22 @@ every one; the same thread binding for all):
 ``minimal``         ``_minimal_spec``: vLLM's ``OffloadingConnector`` over a
                     dict of tensors, a perfect tier (no capacity, no I/O).
 ``vllm+ram``        vLLM alone with kvtier's CPU-tier bytes added to its KV cache.
+``kvtier-small+file+decline`` ``kvtier-small+file`` with ``decline_slow_loads``.
+``kvtier-slow``     ``kvtier-small+file`` with the file tier made slower than
+                    recomputing (below); the load-or-recompute decision off.
+``kvtier-slow+decline`` the same with ``decline_slow_loads: true``.
+
+**A tier slower than recompute.** The ``kvtier-slow`` servers run with
+``KVTIER_BENCH_SLOW_BLOCK_S`` (``--slow-block-s``, default 0.5 s: ten times
+what computing a block of 128 tokens costs here) and
+``KVTIER_BENCH_SLOW_READ_S`` (``--slow-read-s``, default 0) in their
+environment: ``_serving_site/sitecustomize.py`` then wraps their file tier
+in :class:`kvtier.testing.faults.SlowTier`, a link that reads share in
+order at that many seconds a block (plus that many a read); the bytes are
+the file tier's own. The warm-up of every server pushes its first prompt
+out of vLLM's cache and the small CPU tier and asks for it again, so a
+server with a file tier has read it once before the phase, as one that has
+served for a while has: the decision then knows the tier's speed.
 
 Repeats (``--reps``) run every configuration again, in an order rotated by
 one each time, so that the machine's load falls on all alike. Before each
@@ -123,8 +139,22 @@ CONFIGS = (
     "kvtier-small+file",
     "minimal",
     "vllm+ram",
+    "kvtier-small+file+decline",
+    "kvtier-slow",
+    "kvtier-slow+decline",
 )
-KVTIER_CONFIGS = ("kvtier-cpu", "kvtier-cpu+file", "kvtier-small+file")
+KVTIER_CONFIGS = (
+    "kvtier-cpu",
+    "kvtier-cpu+file",
+    "kvtier-small+file",
+    "kvtier-small+file+decline",
+    "kvtier-slow",
+    "kvtier-slow+decline",
+)
+SLOW_CONFIGS = ("kvtier-slow", "kvtier-slow+decline")
+"""Their file tier is slowed (``KVTIER_BENCH_SLOW_*``, ``_serving_site``)."""
+SLOW_BLOCK_S = 0.5
+"""``--slow-block-s``: seconds per block of the slowed file tier."""
 
 
 # -- the workload --------------------------------------------------------------------------
@@ -303,14 +333,32 @@ class Sizes:
         )
 
 
-def _kvtier(cpu_blocks: int, sizes: Sizes, root: Path | None) -> dict[str, Any]:
+def statistics_path(root: Path) -> Path:
+    """Where a server whose file tier is under ``root`` writes kvtier's statistics."""
+    return root.with_name(root.name + ".statistics.json")
+
+
+def _kvtier(
+    cpu_blocks: int,
+    sizes: Sizes,
+    root: Path,
+    file: bool,
+    decline: bool = False,
+    stats: bool = False,
+) -> dict[str, Any]:
     extra: dict[str, Any] = {
         "spec_name": "KVTierOffloadingSpec",
         "spec_module_path": "kvtier.integrations.vllm.spec",
         "cpu_bytes_to_use": cpu_blocks * sizes.block_bytes,
     }
-    if root is not None:
+    if file:
         extra["file_tier"] = {"root": str(root), "bytes_to_use": sizes.file_bytes}
+    if decline:
+        extra["decline_slow_loads"] = True
+    if decline or stats:
+        # The decision's figures (recompute and read seconds per block); written
+        # after every step, so not for the configurations whose CPU time is compared.
+        extra["statistics_file"] = str(statistics_path(root))
     return extra
 
 
@@ -323,11 +371,17 @@ def server_args(name: str, sizes: Sizes, root: Path) -> tuple[int, dict[str, Any
     if name == "minimal":
         return sizes.engine_blocks, dict(MINIMAL)
     if name == "kvtier-cpu":
-        return sizes.engine_blocks, _kvtier(sizes.cpu_blocks, sizes, None)
+        return sizes.engine_blocks, _kvtier(sizes.cpu_blocks, sizes, root, file=False)
     if name == "kvtier-cpu+file":
-        return sizes.engine_blocks, _kvtier(sizes.cpu_blocks, sizes, root)
+        return sizes.engine_blocks, _kvtier(sizes.cpu_blocks, sizes, root, file=True)
     if name == "kvtier-small+file":
-        return sizes.engine_blocks, _kvtier(sizes.small_cpu_blocks, sizes, root)
+        return sizes.engine_blocks, _kvtier(sizes.small_cpu_blocks, sizes, root, file=True)
+    if name == "kvtier-slow":
+        extra = _kvtier(sizes.small_cpu_blocks, sizes, root, file=True, stats=True)
+        return sizes.engine_blocks, extra
+    if name in ("kvtier-small+file+decline", "kvtier-slow+decline"):
+        extra = _kvtier(sizes.small_cpu_blocks, sizes, root, file=True, decline=True)
+        return sizes.engine_blocks, extra
     raise ValueError(f"no configuration {name!r}")
 
 
@@ -382,8 +436,11 @@ class Server:
         root: Path,
         log: Path,
         bind: str,
+        slow_block_s: float = SLOW_BLOCK_S,
+        slow_read_s: float = 0.0,
     ) -> None:
         self.name = name
+        self.sizes = sizes
         self.model = str(model)
         self.engine_blocks, self.extra = server_args(name, sizes, root)
         self.kvcache_gib = max(1, math.ceil(self.engine_blocks * sizes.block_bytes / GIB))
@@ -432,6 +489,13 @@ class Server:
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
             "PYTHONPATH": os.pathsep.join(p for p in path if p),
         }
+        for var in ("KVTIER_BENCH_SLOW_BLOCK_S", "KVTIER_BENCH_SLOW_READ_S"):
+            self.env.pop(var, None)
+        if name in SLOW_CONFIGS:
+            self.env["KVTIER_BENCH_SLOW_BLOCK_S"] = str(slow_block_s)
+            self.env["KVTIER_BENCH_SLOW_READ_S"] = str(slow_read_s)
+        stats = (self.extra or {}).get("statistics_file")
+        self.statistics = Path(stats) if stats else None
         self.args = args
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -466,11 +530,23 @@ class Server:
         return self.log_path.read_text(errors="replace")[-3000:]
 
     def warm_up(self) -> None:
-        """One short request, so that no phase pays the first one's costs."""
+        """A short request, so that no phase pays the first one's costs; then prompts that
+        push it out of vLLM's cache and the small CPU tier, and it again: a file tier
+        (if any) is read once, and the load-or-recompute decision knows its speed."""
+        rng = random.Random(f"warm-up-{self.port}")
+        first = _tokens(rng, 3 * BLOCK)
+        self._complete(first, 4)
+        per = max(1, min(8, self.sizes.max_model_len // BLOCK - 1))
+        blocks = max(self.engine_blocks, self.sizes.small_cpu_blocks) + per
+        for _ in range(-(-blocks // per)):
+            self._complete(_tokens(rng, per * BLOCK), 1)
+        self._complete(first, 4)
+
+    def _complete(self, prompt: list[int], gen: int) -> None:
         body = {
             "model": self.model,
-            "prompt": _tokens(random.Random(f"warm-up-{self.port}"), 3 * BLOCK),
-            "max_tokens": 4,
+            "prompt": prompt,
+            "max_tokens": gen,
             "temperature": 0.0,
             "ignore_eos": True,
         }
@@ -481,6 +557,21 @@ class Server:
         )
         with urllib.request.urlopen(req, timeout=300) as resp:
             resp.read()
+
+    def decision(self) -> dict[str, float | None]:
+        """kvtier's load-or-recompute figures from its ``statistics_file`` (none without)."""
+        try:
+            record = json.loads(self.statistics.read_text()) if self.statistics else None
+        except (OSError, ValueError):
+            record = None
+        if not record:
+            return {}
+        file = (record.get("tiers") or {}).get("file") or {}
+        return {
+            "recompute_s_per_block": record.get("recompute_s_per_block"),
+            "file_read_s_per_block": file.get("read_s_per_block"),
+            "loads_declined": record.get("loads_declined"),
+        }
 
     def tree(self) -> set[int]:
         return set() if self.proc is None else {self.proc.pid, *descendants(self.proc.pid)}
@@ -647,6 +738,8 @@ class Phase:
     kvtier_threads: dict[str, float]
     disturbed: list[str] = field(default_factory=list)
     """Other vLLM processes seen while it ran (looked for every 2 s)."""
+    decision: dict[str, float | None] = field(default_factory=dict)
+    """kvtier's measured recompute and file-read seconds per block at the phase's end."""
 
 
 _COUNTERS = (
@@ -665,6 +758,7 @@ _COUNTERS = (
     "kvtier_lookup_row_limit_misses_total",
     "kvtier_store_refusals_total{cpu}",
     "kvtier_lookup_deadline_misses_total",
+    "kvtier_loads_declined_total",
 )
 
 
@@ -700,6 +794,7 @@ def run_phase(server: Server, wl: Workload, rep: int, tmp: Path, wait_s: float |
     if wait_s is not None:
         others.update(other_vllm(server.tree()))
     disturbed = [f"{p}: {c}" for p, c in others.items()]
+    time.sleep(0.5)  # the statistics file is written on kvtier's loop after a step
     return Phase(
         config=server.name,
         users=wl.users,
@@ -711,6 +806,7 @@ def run_phase(server: Server, wl: Workload, rep: int, tmp: Path, wait_s: float |
         kvtier_cpu_s=kvtier,
         kvtier_threads=named,
         disturbed=disturbed,
+        decision=server.decision(),
     )
 
 
@@ -748,7 +844,16 @@ def run(
         for name in order:
             root = tmp / f"tier-{name}-{rep}"
             root.mkdir()
-            server = Server(model, name, sizes, root, out / f"serve-{name}-{rep}.log", args.bind)
+            server = Server(
+                model,
+                name,
+                sizes,
+                root,
+                out / f"serve-{name}-{rep}.log",
+                args.bind,
+                slow_block_s=args.slow_block_s,
+                slow_read_s=args.slow_read_s,
+            )
             try:
                 started = server.start()
                 server.warm_up()
@@ -809,6 +914,10 @@ class Row:
     equal: int
     compared: int
     disturbed: int
+    declined: float = 0.0
+    deadline_misses: float = 0.0
+    decision: dict[str, float | None] = field(default_factory=dict)
+    """The last repeat's :attr:`Phase.decision`."""
 
 
 def summarize(phases: Sequence[Phase], configs: Sequence[str]) -> list[Row]:
@@ -863,6 +972,9 @@ def summarize(phases: Sequence[Phase], configs: Sequence[str]) -> list[Row]:
                     equal=sum(1 for k in compared if list(k[4]) == reference[k[:4]]),
                     compared=len(compared),
                     disturbed=sum(1 for p in ps if p.disturbed),
+                    declined=m.get("kvtier_loads_declined_total", 0.0),
+                    deadline_misses=m.get("kvtier_lookup_deadline_misses_total", 0.0),
+                    decision=ps[-1].decision,
                 )
             )
     return rows
@@ -876,9 +988,10 @@ def table(rows: Sequence[Row]) -> str:
     head = (
         "| configuration | users | req/s | prompt tok/s | gen tok/s | TTFT p50 / p90 / p99 ms "
         "| ITL p50 / p99 ms | tokens from vLLM cache | via connector | kvtier: from CPU rows "
-        "(of which file) | kvtier CPU s (s/GB) | kvtier / engine CPU | outputs = no-offload |"
+        "(of which file) | loads declined (deadline misses) | kvtier CPU s (s/GB) "
+        "| kvtier / engine CPU | outputs = no-offload |"
     )
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         kv = r.config in KVTIER_CONFIGS
         per_gb = r.kvtier_cpu_s / r.kvtier_gb if r.kvtier_gb else float("nan")
@@ -891,10 +1004,11 @@ def table(rows: Sequence[Row]) -> str:
             f"| {r.vllm_cache_tokens:,.0f} | {r.connector_tokens:,.0f} "
             + (
                 f"| {r.kvtier_cpu_tokens:,.0f} ({r.kvtier_file_tokens:,.0f}) "
+                f"| {r.declined:,.0f} ({r.deadline_misses:,.0f}) "
                 f"| {r.kvtier_cpu_s:.2f} ({per_gb:.2f}) "
                 f"| {100 * r.kvtier_cpu_s / r.engine_cpu_s:.1f}% "
                 if kv and r.engine_cpu_s
-                else "| - | - | - "
+                else "| - | - | - | - "
             )
             + (f"| {r.equal}/{r.compared} |" if r.config != "no-offload" else "| (reference) |")
         )
@@ -923,6 +1037,20 @@ def targets(rows: Sequence[Row]) -> list[str]:
             parts.append(
                 f"vs no-offload: throughput {thr:.3f}x, TTFT p50 {ttft:.3f}x "
                 f"({'WORSE' if worse else 'not worse'})"
+            )
+        if base is not None and r.config in SLOW_CONFIGS:
+            within = [pct(r.ttft, q) / pct(base.ttft, q) for q in (50, 99)]
+            ok = all(x <= 1.1 for x in within)
+            parts.append(
+                f"slow tier: TTFT p50 {within[0]:.2f}x, p99 {within[1]:.2f}x no-offload "
+                f"({'met' if ok else 'MISSED'}: within 1.1x)"
+            )
+        d = r.decision
+        if d.get("recompute_s_per_block") or d.get("file_read_s_per_block"):
+            parts.append(
+                f"kvtier measured: recompute {_ms(d.get('recompute_s_per_block') or math.nan)} "
+                f"ms a block, file read {_ms(d.get('file_read_s_per_block') or math.nan)} "
+                "ms a block"
             )
         if r.engine_cpu_s:
             share = r.kvtier_cpu_s / r.engine_cpu_s
@@ -1008,6 +1136,12 @@ def describe(args: argparse.Namespace, sizes: Sizes, kv_token: int) -> str:
         f"VLLM_CPU_KVCACHE_SPACE=1 (GiB; vllm+ram: as many GiB as it needs), "
         f"--num-gpu-blocks-override caps the cache; VLLM_CPU_OMP_THREADS_BIND={args.bind!r}"
     )
+    if any(c in SLOW_CONFIGS for c in args.configs):
+        lines.append(
+            f"kvtier-slow: the file tier slowed to {args.slow_block_s} s a block "
+            f"({sizes.block_bytes / args.slow_block_s / MIB:,.1f} MiB/s, one link) "
+            f"and {args.slow_read_s} s a read"
+        )
     return "\n".join(lines)
 
 
@@ -1031,6 +1165,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="default", help="vllm_ttft's model")
     ap.add_argument("--engine-blocks", type=int, help="vLLM's own KV cache, in blocks of 128")
     ap.add_argument("--bind", default="0", help="VLLM_CPU_OMP_THREADS_BIND of every server")
+    ap.add_argument(
+        "--slow-block-s",
+        type=float,
+        default=SLOW_BLOCK_S,
+        help="kvtier-slow*: seconds per block of the slowed file tier",
+    )
+    ap.add_argument(
+        "--slow-read-s", type=float, default=0.0, help="kvtier-slow*: seconds added to a read"
+    )
     ap.add_argument("--wait-other", type=float, default=900.0, help="s to wait for other vLLMs")
     ap.add_argument("--out", type=Path, default=Path("/tmp/kvtier-vllm-serving"))
     ap.add_argument("--report", type=Path, help="print a run's results.json again, and plot it")
