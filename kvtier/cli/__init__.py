@@ -521,19 +521,26 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _gc_shm(args: argparse.Namespace) -> int:
-    """``kvtier gc --shm``: the stale shared CPU regions of this user in /dev/shm."""
+    """``kvtier gc --shm``: this user's stale shared CPU regions and host segments in /dev/shm."""
     from kvtier.region import reap_shared_regions
+    from kvtier.tiers.host import reap_host_segments
 
     if args.root is not None or args.keep_bytes is not None:
         raise InvalidArgumentError("--shm takes no ROOT nor --keep-bytes")
     paths = reap_shared_regions(args.unused_for or 0.0, dry_run=args.dry_run)
+    # A host segment no instance holds is kept by design (a restarted instance
+    # adopts its blocks) until the last one closes; --unused-for does not apply.
+    hosts = [] if args.unused_for else reap_host_segments(dry_run=args.dry_run)
     if args.json:
-        print(json.dumps({"dry_run": args.dry_run, "removed": paths}, indent=2))
+        out = {"dry_run": args.dry_run, "removed": paths, "host_segments": hosts}
+        print(json.dumps(out, indent=2))
     else:
         verb = "would remove" if args.dry_run else "removed"
         print(
             f"/dev/shm: {verb} {plural(len(paths), 'stale shared region')}"
             + "".join(f"\n  {p}" for p in paths)
+            + f"\n/dev/shm: {verb} {plural(len(hosts), 'host segment')} no instance holds"
+            + "".join(f"\n  {p}" for p in hosts)
         )
     return 0
 
@@ -702,7 +709,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "takes at most --keep-bytes on disk. Open namespaces are never removed; only "
         "what kvtier wrote is deleted. With --shm instead: remove this user's shared CPU "
         "regions in /dev/shm that no live process holds (left by an instance killed "
-        "before every worker attached).",
+        "before every worker attached), and host tier segments no instance holds (left "
+        "by instances all killed; without --unused-for).",
     )
     gc.add_argument("root", type=Path, nargs="?", default=None, help="the file tier root")
     gc.add_argument(

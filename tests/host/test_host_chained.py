@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import random
+import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -11,6 +15,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
+from support.processes import Children
 
 from kvtier import Engine, KVLayout, KVTierConfig, chain_keys
 from kvtier.config import FileTierConfig, HostTierConfig
@@ -175,3 +180,95 @@ async def test_an_instance_with_another_budget_is_refused_naming_both(tmp_path: 
         assert str(other.host_tier.bytes_to_use) in str(err.value)  # type: ignore[union-attr]
     finally:
         await a.aclose()
+
+
+# -- Engine processes on one host tier -----------------------------------------------------
+
+ENGINE_SCRIPT = str(Path(__file__).with_name("_engine_instance.py"))
+
+
+def _start(children: Children, model: str, instances: int, rows: int) -> subprocess.Popen[str]:
+    proc = children.spawn(ENGINE_SCRIPT, model, instances, rows)
+    hello = children.line(proc)
+    assert "slot" in hello, hello
+    return proc
+
+
+def _ask(children: Children, proc: subprocess.Popen[str], **cmd: object) -> dict[str, Any]:
+    children.tell(proc, json.dumps(cmd))
+    return children.line(proc)
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_engine_processes_load_each_others_blocks_byte_for_byte(
+    children: Children, count: int
+) -> None:
+    model = uuid.uuid4().hex
+    procs = [_start(children, model, count, 16 * count) for _ in range(count)]
+    for i, p in enumerate(procs):
+        assert _ask(children, p, op="store", salt=i + 1, n=8) == {"stored": 8}
+    for i, p in enumerate(procs):
+        for j in range(count):
+            if j != i:
+                got = _ask(children, p, op="load", salt=j + 1, n=8)
+                assert got == {"loaded": 8, "wrong": 0}, (i, j, got)
+    for p in procs:
+        st = _ask(children, p, op="stats")
+        assert st["peer_hits"] == 8 * (count - 1)
+        assert st["own_blocks"] == 8  # each block once on the host
+        assert sum(st["rows_held"]) <= st["rows"]
+    for p in procs:
+        assert _ask(children, p, op="close") == {"closed": True}
+
+
+def test_an_engine_killed_mid_store_serves_no_wrong_bytes_and_its_rows_are_adopted(
+    children: Children,
+) -> None:
+    model = uuid.uuid4().hex
+    reader = _start(children, model, 2, 32)
+    writer = _start(children, model, 2, 32)
+    assert _ask(children, writer, op="store", salt=1, n=8) == {"stored": 8}
+    # The writer stores salt after salt, evicting its own rows; it is killed
+    # at a seeded moment, in a store or between two.
+    rng = random.Random(44)
+    children.tell(writer, json.dumps({"op": "storm", "first_salt": 10, "count": 10**6, "n": 8}))
+    for _ in range(rng.randrange(1, 12)):
+        assert "storing" in children.line(writer)
+    time.sleep(rng.random() * 0.01)
+    writer.kill()
+    writer.wait()
+    # Whatever the dead writer's rows hold: a verified block or a miss.
+    loaded = 0
+    for salt in [1, *range(10, 22)]:
+        got = _ask(children, reader, op="load", salt=salt, n=8)
+        assert got["wrong"] == 0, (salt, got)
+        loaded += got["loaded"]
+    assert loaded > 0  # the dead writer's last blocks are served
+    st = _ask(children, reader, op="stats")
+    assert sum(st["rows_held"]) <= st["rows"]
+    # A restarted instance adopts the dead one's rows, and serves what they hold.
+    again = _start(children, model, 2, 32)
+    st = _ask(children, again, op="stats")
+    assert st["rows_adopted"] > 0
+    got = _ask(children, again, op="load", salt=21, n=8)
+    assert got["wrong"] == 0
+    for p in (reader, again):
+        assert _ask(children, p, op="close") == {"closed": True}
+
+
+def test_gc_lists_and_removes_a_host_segment_every_instance_left(
+    children: Children, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvtier.cli import main
+
+    model = uuid.uuid4().hex
+    p = _start(children, model, 2, 16)
+    st = _ask(children, p, op="stats")
+    p.kill()
+    p.wait()
+    assert main(["gc", "--shm", "--dry-run", "--json"]) == 0
+    assert st["path"] in json.loads(capsys.readouterr().out)["host_segments"]
+    assert os.path.exists(st["path"])
+    assert main(["gc", "--shm"]) == 0
+    assert st["path"] in capsys.readouterr().out
+    assert not os.path.exists(st["path"])
