@@ -364,6 +364,11 @@ class HostTierConfig(_Frozen):
     peer_poll_s: float = Field(default=0.02, ge=MIN_PEER_POLL_S, le=10, strict=True)
     """How often the blocks other instances stored (or evicted) are picked up
     (a compare of the row table's sequence words: no syscall)."""
+    orphan_grace_s: float | None = Field(default=30.0, gt=0, le=86400)
+    """Seconds a segment no instance holds is kept (for an instance restarting to
+    adopt its blocks) before a janitor process removes it, when its instances were
+    all killed (or force-killed by their server's shutdown) and none could close
+    it; ``None``: no janitor (``kvtier gc --shm`` removes such a segment)."""
     write_policy: Literal["write_through"] = "write_through"
     """Every stored block is written to the host tier at once (so that the other
     instances find it); the only policy."""

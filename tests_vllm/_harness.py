@@ -138,3 +138,111 @@ def offloading_config(
             is_parallelism_agnostic=True,
         ),
     )
+
+
+@contextlib.contextmanager
+def serve(model: Path, extra: Mapping[str, Any] | None, log: Path) -> Iterator[Served]:
+    """``vllm serve`` of the tiny model (kvtier's command for vLLM's CPU build) on a free
+    port of 127.0.0.1, in a process group of its own; SIGTERM by pid on exit, then
+    SIGKILL to the group of whatever is left after 60 s."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    args = [sys.executable, "-m", "kvtier.integrations.vllm.serve", str(model)]
+    args += ["--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init"]
+    args += ["--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", "4096"]
+    args += ["--no-enable-prefix-caching", "--enforce-eager", "--seed", "0"]
+    if extra is not None:
+        kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+        args += [
+            "--kv-transfer-config",
+            json.dumps({**kv, "kv_connector_extra_config": {**SPEC, **extra}}),
+        ]
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            args,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=log.parent,
+        )
+    served = Served(f"http://127.0.0.1:{port}", proc, str(model), log)
+    try:
+        deadline = time.monotonic() + 420
+        while True:
+            assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
+            try:
+                with urllib.request.urlopen(f"{served.base}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            assert time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
+            time.sleep(1.0)
+        yield served
+    finally:
+        if proc.poll() is None:
+            group = os.getpgid(proc.pid)
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(group, signal.SIGKILL)
+                proc.wait(10)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)  # stragglers of the group
+
+
+@dataclass
+class Served:
+    """A running ``vllm serve``: its URL, its process (the group's leader), its log."""
+
+    base: str
+    proc: Any
+    model: str
+    log: Path
+
+    def complete(self, tokens: list[int], max_tokens: int = 8) -> list[int]:
+        """A greedy completion of ``tokens``: the token ids generated."""
+        import urllib.request
+
+        body = {
+            "model": self.model,
+            "prompt": tokens,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        req = urllib.request.Request(
+            f"{self.base}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            out = json.loads(resp.read())
+        return [int(t) for t in out["choices"][0]["token_ids"]]
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples on ``/metrics`` that carry ``labels`` (0: none)."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.base}/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        want = [f'{k}="{v}"' for k, v in labels.items()]
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith((name + "{", name + " ")) and all(w in line for w in want)
+        )

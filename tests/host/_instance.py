@@ -1,6 +1,6 @@
 """One serving instance of the host tier tests, in its own process (a script, not collected).
 
-usage: _instance.py NAMESPACE_HEX ROW_BYTES BUDGET INSTANCES [LEASE_TTL_S]
+usage: _instance.py NAMESPACE_HEX ROW_BYTES BUDGET INSTANCES [LEASE_TTL_S [ORPHAN_GRACE_S]]
 
 Opens the host tier, prints ``{"slot", "pid"}`` (or ``{"error", "message"}``), then
 runs one JSON command per stdin line, answering each with one JSON line:
@@ -43,9 +43,12 @@ def say(obj: object) -> None:
 def main() -> None:
     ns, row_bytes, budget, instances = sys.argv[1:5]
     ttl = float(sys.argv[5]) if len(sys.argv) > 5 else 5.0
+    grace = float(sys.argv[6]) if len(sys.argv) > 6 else None
     n = int(row_bytes)
     try:
-        tier = HostTier.open(bytes.fromhex(ns), n, int(budget), int(instances), lease_ttl_s=ttl)
+        tier = HostTier.open(
+            bytes.fromhex(ns), n, int(budget), int(instances), lease_ttl_s=ttl, orphan_grace_s=grace
+        )
     except KVTierError as exc:
         say({"error": type(exc).__name__, "message": str(exc)})
         return

@@ -56,7 +56,9 @@ class TestChainedHostTier(TierSuite):
 
         async def _open() -> Tier:
             layout = _layout(uuid.uuid4().hex)  # a namespace, so a segment, per tier
-            config = HostTierConfig(bytes_to_use=32 * (4096 + BLOCK), instances=1)
+            config = HostTierConfig(
+                bytes_to_use=32 * (4096 + BLOCK), instances=1, orphan_grace_s=None
+            )
             tier = await ChainedHostTier.open(config, layout, block_bytes=BLOCK)
             opened.append(tier)
             paths.append(tier.host.path)

@@ -111,6 +111,7 @@ class ChainedHostTier(Tier):
             config.instances,
             directory=str(config.directory),
             lease_ttl_s=config.lease_ttl_s,
+            orphan_grace_s=config.orphan_grace_s,
         )
         return cls(core, config)
 

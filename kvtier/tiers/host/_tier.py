@@ -17,6 +17,7 @@ from kvtier.errors import ClosedError, InvalidArgumentError, SharedRegionError
 from kvtier.keys import KEY_BYTES
 from kvtier.tiers import block_format
 from kvtier.tiers.block_format import HEADER_BYTES, VERIFY_OK
+from kvtier.tiers.host._janitor import ensure_janitor
 from kvtier.tiers.host._layout import (
     LEASES_PER_INSTANCE,
     SHM_DIR,
@@ -191,6 +192,7 @@ class HostTier:
         directory: str = SHM_DIR,
         lease_ttl_s: float = 5.0,
         join_timeout: float = 10.0,
+        orphan_grace_s: float | None = None,
     ) -> HostTier:
         """Create the host segment of ``namespace``, or join it, and take a slot in it.
 
@@ -213,6 +215,11 @@ class HostTier:
             (the reader's checks after its copy still make a reuse a miss).
         join_timeout
             Seconds to wait for the segment's mutex.
+        orphan_grace_s
+            Make sure a janitor process watches the segment and removes it once no
+            instance has held it for this long (instances all killed); ``None``:
+            none is started (the last close, an adopting instance or ``kvtier gc
+            --shm`` removes it).
 
         Raises
         ------
@@ -248,7 +255,9 @@ class HostTier:
         def undo(tier: HostTier) -> None:
             tier._table.release()
 
-        _, tier = attach(g, directory, join_timeout, register, undo)
+        seg, tier = attach(g, directory, join_timeout, register, undo)
+        if orphan_grace_s is not None:
+            ensure_janitor(seg.path, seg.fd, orphan_grace_s)
         tier.refresh()
         return tier
 
