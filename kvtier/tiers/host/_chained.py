@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -64,6 +65,7 @@ class ChainedHostTier(Tier):
         "_handle",
         "_loop",
         "_pending",
+        "_prefault",
         "_removing",
         "_ticking",
         "_watchers",
@@ -82,6 +84,12 @@ class ChainedHostTier(Tier):
         self._pending: set[asyncio.Future[object]] = set()
         self._removing: set[bytes] = set()
         """Keys :meth:`remove` dropped whose removal the worker has not done yet."""
+        # The peers' rows entered in this process's page tables in the background,
+        # so that a first read of one does not pay its page faults (HostTier.prefault).
+        self._prefault = threading.Thread(
+            target=core.prefault, args=(lambda: self._closed,), name="kvtier-host-prefault"
+        )
+        self._prefault.start()
 
     @classmethod
     async def open(
@@ -332,6 +340,7 @@ class ChainedHostTier(Tier):
         # done when aclose returns), then the core leaves the segment.
         while self._pending:
             await asyncio.wait(list(self._pending))
+        await asyncio.to_thread(self._prefault.join)  # stops at its next chunk
         self._worker.shutdown(wait=True)
         self._core.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import time
 from collections import OrderedDict
@@ -36,6 +37,10 @@ __all__ = ["HostTier", "HostTierStatistics"]
 _FIELDS = 128
 """Bytes of a block header a reader copies to verify it (its fields; the rest is padding)."""
 _CLOSE_WAIT = 5.0
+_POPULATE = 22
+"""``MADV_POPULATE_READ`` (Linux 5.14+): fault pages in for reading, without reading them."""
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +291,34 @@ class HostTier:
         self._adopted += adopted
         self._reset += len(reset)
         return len(blocks) + len(empty)
+
+    def prefault(self, stop: Callable[[], bool] = lambda: False, chunk: int = 64 << 20) -> int:
+        """Enter every page of the segment in this process's page tables now.
+
+        A process's first read of a page that another process wrote takes a
+        minor page fault; on reads of peers' rows that was a fifth of a load's
+        time (``benchmarks/host_tier.py``: a peer hit 1.22x an own hit before,
+        about 1.0x after). This asks the kernel to map them all ahead
+        (``MADV_POPULATE_READ``, Linux 5.14+), a ``chunk`` at a time, until
+        done or ``stop()`` is true; meant for a thread of its own (the call
+        runs without the GIL). The price is page tables: 2 MiB a GiB of
+        segment. Returns the bytes populated (0 where the kernel refuses).
+        """
+        self._check_open()
+        m = self._seg.map
+        size = len(m)
+        anchor = ctypes.c_char.from_buffer(m)  # the map's address; close waits for us
+        try:
+            base = ctypes.addressof(anchor)
+            done = 0
+            while done < size and not stop():
+                n = min(chunk, size - done)
+                if _libc.madvise(ctypes.c_void_p(base + done), ctypes.c_size_t(n), _POPULATE):
+                    break
+                done += n
+            return done
+        finally:
+            del anchor
 
     def close(self) -> None:
         """Leave the segment: drop this instance's slot and leases; remove it if last.
@@ -659,11 +692,14 @@ class HostTier:
             p = o + HEADER_BYTES
             n = self._g.row_bytes
             half = n // 2
-            self._scratch[:_FIELDS] = m[o : o + _FIELDS]
-            into[:half] = m[p : p + half]
-            if self.hook is not None:
-                self.hook("load")
-            into[half:] = m[p + half : p + n]
+            # Through a memoryview: slicing the mmap itself would copy into a
+            # new bytes first (measured: 2.8x slower for 1 MiB rows).
+            with memoryview(m) as view:
+                self._scratch[:_FIELDS] = view[o : o + _FIELDS]
+                into[:half] = view[p : p + half]
+                if self.hook is not None:
+                    self.hook("load")
+                into[half:] = view[p + half : p + n]
             if w[i] != s1:
                 return False
         finally:
