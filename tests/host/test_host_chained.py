@@ -274,3 +274,48 @@ def test_gc_lists_and_removes_a_host_segment_every_instance_left(
     assert main(["gc", "--shm"]) == 0
     assert st["path"] in capsys.readouterr().out
     assert not os.path.exists(st["path"])
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "host-tier.md"
+
+
+def test_the_documented_configuration_is_what_it_says(tmp_path: Path) -> None:
+    text = DOC.read_text()
+    block = text.split("```toml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "kvtier.toml").write_text(block)
+    config = KVTierConfig.from_toml(tmp_path / "kvtier.toml")
+    assert config.host_tier is not None
+    assert config.host_tier.bytes_to_use == 192 << 30
+    assert config.host_tier.instances == 8
+    assert [name for name, _ in config.chain] == ["host"]
+
+
+def test_vllm_takes_the_host_tier_key() -> None:
+    from kvtier.integrations.vllm.settings import parse_extra_config
+
+    extra = {
+        "cpu_bytes_to_use": "8GiB",
+        "host_tier": {"bytes_to_use": "192GiB", "instances": 8},
+        "file_tier": {"root": "/tmp/kv", "bytes_to_use": "1GiB"},
+    }
+    config = parse_extra_config(extra).config
+    assert [name for name, _ in config.chain] == ["host", "file"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("instances", 0, "instances"),
+        ("bytes_to_use", "0", "bytes_to_use"),
+        ("directory", "/no/such/dir", "directory"),
+        ("orphan_grace_s", 0, "orphan_grace_s"),
+        ("write_policy", "write_back", "write_policy"),
+        ("peer_poll_s", 0.0, "peer_poll_s"),
+    ],
+)
+def test_a_bad_host_tier_field_is_named(field: str, value: object, says: str) -> None:
+    data: dict[str, object] = {"bytes_to_use": "1GiB", field: value}
+    with pytest.raises(ConfigurationError, match=says):
+        KVTierConfig.from_dict({"cpu_bytes_to_use": "1GiB", "host_tier": data})
