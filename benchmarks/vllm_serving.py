@@ -47,8 +47,8 @@ every one; the same thread binding for all):
 ``kvtier-slow+decline`` the same with ``decline_slow_loads: true``.
 
 **A tier slower than recompute.** The ``kvtier-slow`` servers run with
-``KVTIER_BENCH_SLOW_BLOCK_S`` (``--slow-block-s``, default 0.5 s: ten times
-what computing a block of 128 tokens costs here) and
+``KVTIER_BENCH_SLOW_BLOCK_S`` (``--slow-block-s``, default 0.5 s: four
+times what computing a block of 128 tokens costs on 2 cores) and
 ``KVTIER_BENCH_SLOW_READ_S`` (``--slow-read-s``, default 0) in their
 environment: ``_serving_site/sitecustomize.py`` then wraps their file tier
 in :class:`kvtier.testing.faults.SlowTier`, a link that reads share in
