@@ -75,6 +75,10 @@ __all__ = [
 
 log = logging.getLogger("kvtier.chain")
 
+REMEASURE_S = 10.0
+"""A lower tier unread this long gets a request's first block read, declined or not,
+so that the load-or-recompute decision measures it again (:meth:`Chain.worth_loading`)."""
+
 
 class Answer(enum.Enum):
     """What :meth:`Chain.lookup` says of one block."""
@@ -310,6 +314,8 @@ class _Lower:
     """Decayed sum of its busy periods' seconds..."""
     delivered: float = 0.0
     """... and of the blocks they delivered: ``busy / delivered`` is its cost per block."""
+    idle_since: float = 0.0
+    """When its last busy period ended (a tier declined is not read: see REMEASURE_S)."""
 
     def s_per_block(self) -> float | None:
         return self.busy / self.delivered if self.delivered else None
@@ -724,6 +730,11 @@ class Chain:
         blocks queued on it ahead plus these ``m``; recompute: ``m`` times the
         recompute cost, as set or measured. Without either measure yet, a load
         is always worth it (the first reads of a tier measure it).
+
+        A tier is measured only by its reads, and a declined one is not read:
+        one slow period would turn it off for good. So a request's first block
+        of a tier that has not been read for :data:`REMEASURE_S` is read
+        anyway: one block every so often measures it again.
         """
         r = self._recompute
         if r is None:
@@ -731,6 +742,8 @@ class Chain:
         tier = self._lower[index]
         s = tier.s_per_block()
         if s is None:
+            return True
+        if m == 1 and not tier.reading and self._clock() - tier.idle_since >= REMEASURE_S:
             return True
         return (tier.queued + m) * s <= m * r
 
@@ -1055,9 +1068,11 @@ class Chain:
         tier.queued -= len(read.keys)
         tier.period_blocks += len(good)
         if not tier.reading:
-            tier.busy = 0.8 * tier.busy + (self._clock() - tier.since)
+            now = self._clock()
+            tier.busy = 0.8 * tier.busy + (now - tier.since)
             tier.delivered = 0.8 * tier.delivered + tier.period_blocks
             tier.period_blocks = 0
+            tier.idle_since = now
         bad = [k for k in read.keys if k not in done.loaded]
         if good:
             self._cpu.complete_store(good, True)

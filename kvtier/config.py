@@ -558,7 +558,7 @@ class KVTierConfig(_Frozen):
     by what kvtier measured, it would arrive later than recomputing it: the
     tier's delivered seconds per block times the blocks queued ahead, against
     :attr:`recompute_s_per_block`. Counted as ``loads_declined``. Off by
-    default until the serving benchmark shows it never hurts; a set
+    default (measured on vLLM's CPU build only, where it never hurt); a set
     ``recompute_s_per_block`` turns it on."""
     recompute_s_per_block: float | None = Field(default=None, gt=0, le=3600)
     """What computing one offloaded block costs the serving engine, in seconds;

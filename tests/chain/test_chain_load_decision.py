@@ -14,7 +14,17 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvtier.chain import Answer, Chain, LowerTier, Read, ReadDone, TierChanged, Write, Written
+from kvtier.chain import (
+    REMEASURE_S,
+    Answer,
+    Chain,
+    LowerTier,
+    Read,
+    ReadDone,
+    TierChanged,
+    Write,
+    Written,
+)
 
 
 class Clock:
@@ -157,3 +167,33 @@ def test_the_engines_prefix_stops_where_loading_would_lose() -> None:
     # ends at the CPU tier.
     assert chain.prefix([key(20), key(21), key(3), key(4)]) == 2
     assert chain.statistics().loads_declined == 1
+
+
+def test_a_declined_tier_is_measured_again_and_read_once_fast() -> None:
+    clock = Clock()
+    chain = new_chain(clock, recompute=0.010)
+    on_file(chain, range(40))
+    read_taking(chain, clock, [0, 1], seconds=0.5)  # a slow period: 250 ms a block
+    assert chain.lookup(key(5), "r") is Answer.MISS
+    chain.forget_request("r")
+    # Unread for REMEASURE_S: a request's first block is read (a probe), its
+    # others still declined while the measure says slow.
+    clock.now += REMEASURE_S + 0.5
+    assert chain.lookup(key(10), "p") is Answer.RETRY
+    assert chain.lookup(key(11), "p") is Answer.MISS
+    (probe,) = [i for i in chain.take_intents() if isinstance(i, Read)]
+    clock.now += 0.001  # the tier is fast again
+    chain.settle(ReadDone(probe, frozenset(probe.keys)))
+    chain.forget_request("p")
+    # Probes bring the decayed measure down, until the tier is read again.
+    for n in range(12, 30):
+        s = chain.statistics().tiers["file"].read_s_per_block
+        assert s is not None
+        if s <= 0.010:
+            break
+        clock.now += REMEASURE_S + 0.5
+        read_taking(chain, clock, [n], seconds=0.001)
+    else:
+        pytest.fail("the tier was never measured fast again")
+    assert chain.lookup(key(35), "later") is Answer.RETRY
+    assert chain.lookup(key(36), "later") is Answer.RETRY
