@@ -345,8 +345,10 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
     if args.cluster is not None:
         return _inspect_cluster(args)
+    if args.shm:
+        return _inspect_shm(args)
     if args.root is None:
-        raise InvalidArgumentError("inspect: give a file tier ROOT or --cluster URL")
+        raise InvalidArgumentError("inspect: give a file tier ROOT, --cluster URL or --shm")
 
     reports = inspect_root(args.root, verify=args.verify)
     bad = sum(len(r.bad) for r in reports)
@@ -414,6 +416,51 @@ def _run_inspect(args: argparse.Namespace) -> int:
                 soft_wrap=True,
             )
     return 1 if bad else 0
+
+
+def _inspect_shm(args: argparse.Namespace) -> int:
+    """``kvtier inspect --shm``: the host tier segments of /dev/shm, read without joining."""
+    from kvtier.tiers.host import inspect_host_segments
+
+    if args.root is not None:
+        raise InvalidArgumentError("--shm takes no ROOT")
+    reports = inspect_host_segments()
+    if args.json:
+        print(json.dumps([r.as_dict() for r in reports], indent=2))
+        return 0
+    console = make_console()
+    if not reports:
+        console.print("/dev/shm: no kvtier host segments", highlight=False, soft_wrap=True)
+        return 0
+    columns = ["namespace", "row", "rows", "live", "held", "orphaned", "free", "blocks"]
+    columns += ["watched"]
+    rows = [
+        [
+            r.namespace,
+            human_bytes(r.row_bytes),
+            str(r.rows),
+            f"{r.live_instances}/{r.instances}",
+            "+".join(str(n) for n in r.rows_held if n) or "0",
+            str(r.rows_orphaned),
+            str(r.rows_free),
+            str(r.blocks),
+            "yes" if r.watched else "no",
+        ]
+        for r in reports
+    ]
+    console.print(
+        fit_table(
+            f"kvtier host tier segments in /dev/shm: {len(reports)}",
+            columns,
+            rows,
+            console.width,
+            left=("namespace",),
+            own_line=("namespace",),
+        ),
+        highlight=False,
+        soft_wrap=True,
+    )
+    return 0
 
 
 def _inspect_cluster(args: argparse.Namespace) -> int:
@@ -673,13 +720,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     insp = add(
         "inspect",
-        help="what a file tier root, or a cluster tier's cluster, holds",
-        description="A file tier root (ROOT), or with --cluster the kvtier blocks on a "
-        "Valkey/Redis cluster per tenant prefix and namespace (SCAN, read only). The "
+        help="what a file tier root, a cluster tier's cluster, or the host tier holds",
+        description="A file tier root (ROOT), with --cluster the kvtier blocks on a "
+        "Valkey/Redis cluster per tenant prefix and namespace (SCAN, read only), or with "
+        "--shm the host tier segments in /dev/shm (read without joining them). The "
         "cluster's password is read from $KVTIER_CLUSTER_PASSWORD or --password-file, "
         "never from the command line.",
     )
     insp.add_argument("root", type=Path, nargs="?", help="the file tier root")
+    insp.add_argument(
+        "--shm",
+        action="store_true",
+        help="the host tier segments in /dev/shm: instances, rows held, blocks",
+    )
     insp.add_argument(
         "--cluster",
         metavar="URL",

@@ -19,11 +19,11 @@ from support.processes import Children
 
 from kvtier import Engine, KVLayout, KVTierConfig, chain_keys
 from kvtier.config import FileTierConfig, HostTierConfig
-from kvtier.errors import ConfigurationError
+from kvtier.errors import ConfigurationError, InvalidArgumentError
 from kvtier.layout import TensorSpec
 from kvtier.testing.tier import OpenTier, TierSuite
 from kvtier.tiers.base import Tier, Watched
-from kvtier.tiers.host import ChainedHostTier, segment_path
+from kvtier.tiers.host import ChainedHostTier, HostTier, segment_path
 
 BLOCK = 8192
 
@@ -319,3 +319,29 @@ def test_a_bad_host_tier_field_is_named(field: str, value: object, says: str) ->
     data: dict[str, object] = {"bytes_to_use": "1GiB", field: value}
     with pytest.raises(ConfigurationError, match=says):
         KVTierConfig.from_dict({"cpu_bytes_to_use": "1GiB", "host_tier": data})
+
+
+def test_inspect_shm_reads_a_segment_without_joining_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvtier.cli import main
+
+    ns = uuid.uuid4().bytes
+    with HostTier.open(ns, BLOCK, 32 * (4096 + BLOCK), 2) as a:
+        assert (
+            a.store_many([bytes([i + 1]) * 16 for i in range(5)], [memoryview(bytes(BLOCK))] * 5)
+            == [True] * 5
+        )
+        assert main(["inspect", "--shm", "--json"]) == 0
+        (mine,) = [r for r in json.loads(capsys.readouterr().out) if r["namespace"] == ns.hex()]
+        assert mine["live_instances"] == 1
+        assert mine["blocks"] == 5
+        assert mine["rows_held"][a.slot] == 16
+        assert mine["rows"] == 32
+        assert a.statistics().live_instances == 1  # the inspection took no slot
+        assert main(["inspect", "--shm"]) == 0
+        assert ns.hex() in capsys.readouterr().out
+        # The all-zero key marks an empty row: refused, nothing stored lost.
+        with pytest.raises(InvalidArgumentError, match="all-zero key"):
+            a.store_many([bytes(16)], [memoryview(bytes(BLOCK))])
+        assert a.statistics().own_blocks == 5

@@ -8,6 +8,7 @@ directly below each instance's CPU region. See ``docs/host-tier.md``.
 * ``_table``: the shared tables (rows, instances, leases) and the protocols on them;
 * ``_tier``: :class:`HostTier`, one instance's view: store, look up, load verified,
   adopt, and its :class:`HostTierStatistics`;
+* ``_report``: :func:`inspect_host_segments`, what each segment holds, read from outside;
 * ``_chained``: :class:`ChainedHostTier`, the host tier behind the chain's
   :class:`~kvtier.tiers.base.Tier` contract (what the tier factory opens).
 
@@ -20,14 +21,17 @@ from __future__ import annotations
 from kvtier.tiers.host._chained import ChainedHostTier
 from kvtier.tiers.host._layout import SHM_DIR, Geometry, segment_path
 from kvtier.tiers.host._layout import reap as reap_host_segments
+from kvtier.tiers.host._report import HostSegmentReport, inspect_host_segments
 from kvtier.tiers.host._tier import HostTier, HostTierStatistics
 
 __all__ = [
     "SHM_DIR",
     "ChainedHostTier",
     "Geometry",
+    "HostSegmentReport",
     "HostTier",
     "HostTierStatistics",
+    "inspect_host_segments",
     "reap_host_segments",
     "segment_path",
 ]

@@ -501,6 +501,8 @@ class HostTier:
         for key, payload in zip(keys, payloads, strict=True):
             if not isinstance(key, bytes) or len(key) != KEY_BYTES:
                 raise InvalidArgumentError(f"a key is {KEY_BYTES} bytes, got {key!r}")
+            if not any(key):  # the row table's mark of a row that holds nothing
+                raise InvalidArgumentError("the all-zero key cannot be stored in the host tier")
             mv = memoryview(payload).cast("B")
             if mv.nbytes != self._g.row_bytes:
                 raise InvalidArgumentError(
