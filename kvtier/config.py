@@ -332,8 +332,9 @@ class FileTierConfig(_Frozen):
 
     @property
     def promotes_up(self) -> bool:
-        """The highest lower tier: nothing above it to promote into."""
-        return False
+        """A block read from the file tier also goes to the host tier above it, when
+        there is one (so that the other instances on the host find it in RAM)."""
+        return True
 
 
 class HostTierConfig(_Frozen):
@@ -390,9 +391,8 @@ class HostTierConfig(_Frozen):
 
     @property
     def promotes_up(self) -> bool:
-        """A block read from the file tier also goes to the host tier above it, when
-        there is one (so that the other instances on the host find it in RAM)."""
-        return True
+        """The highest lower tier: nothing above it to promote into."""
+        return False
 
 
 ClusterMode = Literal["cluster", "single"]

@@ -345,3 +345,29 @@ def test_inspect_shm_reads_a_segment_without_joining_it(
         with pytest.raises(InvalidArgumentError, match="all-zero key"):
             a.store_many([bytes(16)], [memoryview(bytes(BLOCK))])
         assert a.statistics().own_blocks == 5
+
+
+async def test_a_block_read_from_the_file_tier_goes_up_to_the_host_tier(tmp_path: Path) -> None:
+    model = uuid.uuid4().hex
+    kv = _kv(1)
+    layout = KVLayout.from_tensors(kv, model_id=model, block_tokens=4, num_blocks=NUM_BLOCKS)
+    # 8 host rows for 2 instances: this one owns 4, the file tier holds everything.
+    config = _config(tmp_path, model, host_rows=8, file=True)
+    engine = await Engine.open(config, layout, kv)
+    try:
+        old = _keys(engine, 4, salt=1)
+        await engine.store(old, [0, 1, 2, 3])
+        await engine.flush()
+        for salt in (2, 3, 4):  # out of the CPU tier (8 rows) and the host rows (4)
+            await engine.store(_keys(engine, 4, salt), [4, 5, 6, 7])
+            await engine.flush()
+        host = engine.statistics().tiers["host"].statistics
+        assert engine.lookup(old) == 4
+        assert await engine.load(old, [10, 11, 12, 13]) == 4
+        await engine.flush()
+        after = engine.statistics()
+        assert after.tiers["file"].statistics.hits >= 4  # read from the file tier
+        # ... and written up to the host tier, where the other instances find it.
+        assert after.tiers["host"].statistics.stores == host.stores + 4
+    finally:
+        await engine.aclose()
