@@ -1,5 +1,5 @@
 """Locks on bytes of a shared file, held by an open file description (``F_OFD_SETLK``),
-and the loop that creates such a file or joins it.
+the loop that creates such a file or joins it, and the allocation of its bytes.
 
 The primitives of kvtier's shared mappings (the CPU region shared by a
 host's worker processes, the host tier): a lock belongs to the descriptor
@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from kvtier.errors import SharedRegionError
+from kvtier.errors import CapacityError, SharedRegionError
 
-__all__ = ["acquire", "create_or_join", "held_by_others", "release", "set_lock"]
+__all__ = ["acquire", "allocate", "create_or_join", "held_by_others", "release", "set_lock"]
 
 T = TypeVar("T")
 
@@ -109,3 +109,21 @@ def create_or_join(
                 f"could not join {what} {path} within {join_timeout} s: it kept being "
                 "removed under us"
             )
+
+
+def allocate(fd: int, offset: int, length: int, what: str) -> None:
+    """Allocate ``length`` bytes of a shared file at ``offset`` now (``posix_fallocate``).
+
+    A tmpfs that cannot hold them says so here, as a :class:`CapacityError` naming
+    ``what``, rather than as a SIGBUS at a later first touch. A filesystem that
+    cannot preallocate (``EOPNOTSUPP``, ``EINVAL``) is left to allocate on touch.
+    """
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise CapacityError(
+                f"could not allocate {length} bytes for {what}: {os.strerror(exc.errno)}"
+            ) from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # pragma: no cover
+            raise

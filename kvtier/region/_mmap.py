@@ -19,6 +19,7 @@ import numpy as np
 
 __all__ = [
     "MADV_HUGEPAGE",
+    "MADV_POPULATE_READ",
     "MADV_POPULATE_WRITE",
     "PAGE_SIZE",
     "PMD_SIZE",
@@ -37,6 +38,8 @@ PAGE_SIZE = mmap.PAGESIZE
 MADV_HUGEPAGE = 14
 """``madvise`` advice: back this range with transparent huge pages where possible."""
 
+MADV_POPULATE_READ = 22
+"""``madvise`` advice (Linux 5.14+): fault every page in for reading, reading nothing."""
 MADV_POPULATE_WRITE = 23
 """``madvise`` advice (Linux 5.14+): fault every page in writable, writing nothing."""
 

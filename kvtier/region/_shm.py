@@ -45,7 +45,6 @@ The protocol (see docs/cpu-region.md for the picture):
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
 import re
@@ -55,7 +54,7 @@ import time
 from dataclasses import dataclass
 
 from kvtier.errors import CapacityError, InvalidArgumentError, SharedRegionError
-from kvtier.region._locks import acquire, create_or_join, release
+from kvtier.region._locks import acquire, allocate, create_or_join, release
 from kvtier.region._locks import held_by_others as _held_by_others
 from kvtier.region._locks import set_lock as _setlk
 from kvtier.region._mmap import PAGE_SIZE, PMD_SIZE, memory_bytes, round_up
@@ -400,16 +399,7 @@ def _initialize(
         os.ftruncate(fd, data_offset + map_length if data_fd == fd else _HEADER_BYTES)
         if data_fd != fd:  # pragma: no cover - needs reserved huge pages
             os.ftruncate(data_fd, map_length)
-        try:
-            os.posix_fallocate(data_fd, data_offset, map_length)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                raise CapacityError(
-                    f"could not allocate {map_length} bytes for shared region {path}: "
-                    f"{os.strerror(exc.errno)}"
-                ) from exc
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # pragma: no cover
-                raise
+        allocate(data_fd, data_offset, map_length, f"shared region {path}")
         header = _Header(
             state=_READY,
             data_offset=data_offset,

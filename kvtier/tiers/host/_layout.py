@@ -31,7 +31,6 @@ creator, which then joins. A segment is therefore never visible half made.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import mmap
 import os
@@ -50,7 +49,7 @@ from kvtier.errors import (
     NamespaceMismatchError,
     SharedRegionError,
 )
-from kvtier.region._locks import acquire, create_or_join, release
+from kvtier.region._locks import acquire, allocate, create_or_join, release
 from kvtier.region._locks import held_by_others as _held_by_others
 from kvtier.region._locks import set_lock as _setlk
 from kvtier.region._mmap import PAGE_SIZE, memory_bytes, round_up
@@ -427,16 +426,7 @@ def _try_create(
                 f"needs {total} ({g.rows} rows of {g.row_stride} bytes): lower the host budget"
             )
         os.ftruncate(fd, total)
-        try:
-            os.posix_fallocate(fd, 0, total)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                raise CapacityError(
-                    f"could not allocate {total} bytes for host segment {path}: "
-                    f"{os.strerror(exc.errno)}"
-                ) from exc
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # pragma: no cover
-                raise
+        allocate(fd, 0, total, f"host segment {path}")
         os.pwrite(fd, _pack_header(g), 0)
         seg = Segment(fd, path, _map(fd, total), g, created=True)
         result = register(seg)

@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from kvtier.errors import ClosedError, InvalidArgumentError, SharedRegionError
 from kvtier.keys import KEY_BYTES
+from kvtier.region._mmap import MADV_POPULATE_READ, madvise
 from kvtier.tiers import block_format
 from kvtier.tiers.block_format import HEADER_BYTES, VERIFY_OK
 from kvtier.tiers.host._janitor import ensure_janitor
@@ -37,10 +38,6 @@ __all__ = ["HostTier", "HostTierStatistics"]
 _FIELDS = 128
 """Bytes of a block header a reader copies to verify it (its fields; the rest is padding)."""
 _CLOSE_WAIT = 5.0
-_POPULATE = 22
-"""``MADV_POPULATE_READ`` (Linux 5.14+): fault pages in for reading, without reading them."""
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,7 +310,7 @@ class HostTier:
             done = 0
             while done < size and not stop():
                 n = min(chunk, size - done)
-                if _libc.madvise(ctypes.c_void_p(base + done), ctypes.c_size_t(n), _POPULATE):
+                if madvise(base + done, n, MADV_POPULATE_READ):
                     break
                 done += n
             return done
