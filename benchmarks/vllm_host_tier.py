@@ -142,23 +142,12 @@ def main() -> None:
     rounds = args.rounds or (4 if args.quick else 5)
     reps = args.reps or (1 if args.quick else 2)
     system, turn, gen = 512, 256, 16
-    from kvtier.testing.vllm_model import build_tiny_llama
-
-    shape = SHAPES["default"]
     started = time.perf_counter()
     rows: dict[str, list[dict[str, Any]]] = {c: [] for c in CONFIGS}
     answers: dict[str, dict[tuple[int, int], list[int]]] = {}
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
-        model = build_tiny_llama(
-            tmp / "model",
-            hidden=shape.hidden,
-            layers=shape.layers,
-            heads=shape.heads,
-            kv_heads=shape.kv_heads,
-            intermediate=shape.intermediate,
-            max_positions=16384,
-        )
+        model = serving.build_model(tmp / "model", SHAPES["default"])
         wl = serving.Workload(
             users=args.users, rounds=rounds, system=system, turn=turn, gen=gen, think=0.2, seed=0
         )

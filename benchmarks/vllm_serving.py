@@ -1181,6 +1181,21 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def build_model(path: Path, shape: Shape) -> Path:
+    """The random Llama of ``shape`` (``vllm_ttft``'s shapes) under ``path``."""
+    from kvtier.testing.vllm_model import build_tiny_llama
+
+    return build_tiny_llama(
+        path,
+        hidden=shape.hidden,
+        layers=shape.layers,
+        heads=shape.heads,
+        kv_heads=shape.kv_heads,
+        intermediate=shape.intermediate,
+        max_positions=16384,
+    )
+
+
 def main() -> None:
     args = _parser().parse_args()
     if args.client:
@@ -1203,22 +1218,12 @@ def main() -> None:
             setattr(args, k, v)
     if "no-offload" not in args.configs:
         args.configs.insert(0, "no-offload")  # the reference of the outputs
-    from kvtier.testing.vllm_model import build_tiny_llama
-
     shape: Shape = SHAPES[args.shape]
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVTIER_BENCH_DIR")) as t:
         tmp = Path(t)
-        model = build_tiny_llama(
-            tmp / "model",
-            hidden=shape.hidden,
-            layers=shape.layers,
-            heads=shape.heads,
-            kv_heads=shape.kv_heads,
-            intermediate=shape.intermediate,
-            max_positions=16384,
-        )
+        model = build_model(tmp / "model", shape)
         kv_token = kv_bytes_per_token(model)
         largest = max(workloads(args, 0), key=Workload.working_set)
         sizes = Sizes.plan(kv_token, largest, args.engine_blocks)
