@@ -25,6 +25,7 @@ from kvtier.errors import (
     SharedRegionError,
     TierIOError,
     TransferError,
+    UnsafeSharedFileError,
     WorkerError,
     WorkerLostError,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "TierIOError",
     "TierReport",
     "TransferError",
+    "UnsafeSharedFileError",
     "Worker",
     "WorkerError",
     "WorkerGroup",

@@ -24,6 +24,7 @@ lower-layer error (an ``OSError`` from the kernel, a CUDA error) is kept as
     │   └── WorkerError                          a worker process failed a job (names the rank)
     │       └── WorkerLostError                  a worker process is gone; its group is broken
     ├── SharedRegionError                        a shared CPU region cannot be joined
+    │   └── UnsafeSharedFileError (PermissionError) a shared file others could have written
     ├── ClosedError               (RuntimeError) the object was closed
     └── BusyError                 (RuntimeError) the resource is in use
 """
@@ -50,6 +51,7 @@ __all__ = [
     "SharedRegionError",
     "TierIOError",
     "TransferError",
+    "UnsafeSharedFileError",
     "WorkerError",
     "WorkerLostError",
 ]
@@ -209,6 +211,26 @@ class WorkerLostError(WorkerError):
 
 class SharedRegionError(KVTierError):
     """A shared CPU region could not be created or joined (dead creator, timeout)."""
+
+
+class UnsafeSharedFileError(SharedRegionError, PermissionError):
+    """A shared-memory file kvtier would join is not this user's private file.
+
+    It is not a regular file (a symbolic link, a FIFO, a directory), another user
+    owns it, or its mode lets others read or write it: its bytes could have been
+    planted, or read by someone else. The message names the path, its mode and
+    its owner. kvtier never maps such a file; ``errno`` is ``EPERM``.
+    """
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(_errno.EPERM, message, path)
+        self.path = path
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+    def __reduce__(self) -> tuple[type[UnsafeSharedFileError], tuple[str, str]]:
+        return (type(self), (str(self.strerror), self.path))
 
 
 class ClosedError(KVTierError, RuntimeError):

@@ -25,6 +25,7 @@ PUBLIC = {
     "NamespaceMismatchError",
     "ProtocolError",
     "SharedRegionError",
+    "UnsafeSharedFileError",
     "StoreSummary",
     "TensorSpec",
     "TierIOError",

@@ -35,6 +35,7 @@ from kvtier.errors import (
     SharedRegionError,
     TierIOError,
     TransferError,
+    UnsafeSharedFileError,
 )
 from kvtier.layout import KVLayout
 from kvtier.region import _mmap, _shm
@@ -327,6 +328,8 @@ class CPURegion:
                     att = _shm.attach(
                         shared_name, geometry, rank, float(join_timeout), holder=holder
                     )
+                except UnsafeSharedFileError:
+                    raise  # already names the file, its mode and its owner
                 except OSError as exc:
                     raise SharedRegionError(
                         f"cannot create or join shared region {shared_name!r}: {exc}"
@@ -338,6 +341,9 @@ class CPURegion:
                 addr = _mmap.map_aligned(
                     map_length, map_align, fd=att.data_fd, offset=att.data_offset
                 )
+        except UnsafeSharedFileError:
+            self._detach()
+            raise
         except OSError as exc:
             self._detach()
             if exc.errno == errno.ENOMEM:

@@ -54,10 +54,17 @@ import time
 from dataclasses import dataclass
 
 from kvtier.errors import CapacityError, InvalidArgumentError, SharedRegionError
-from kvtier.region._locks import acquire, allocate, create_or_join, release
-from kvtier.region._locks import held_by_others as _held_by_others
-from kvtier.region._locks import set_lock as _setlk
 from kvtier.region._mmap import PAGE_SIZE, PMD_SIZE, memory_bytes, round_up
+from kvtier.shm import (
+    OPEN_FLAGS,
+    acquire,
+    allocate,
+    check_private,
+    create_or_join,
+    release,
+)
+from kvtier.shm import held_by_others as _held_by_others
+from kvtier.shm import set_lock as _setlk
 
 __all__ = [
     "FILE_PREFIX",
@@ -310,6 +317,9 @@ def attach(
 
     Raises
     ------
+    UnsafeSharedFileError
+        A file under the name that is not this user's private regular file (a
+        symbolic link, another user's, a mode with group or other bits).
     SharedRegionError
         The creator died part way (its file is removed), it did not finish
         within ``join_timeout``, the file was made for another geometry (or
@@ -432,6 +442,11 @@ def _join(
     deadline: float,
     join_timeout: float,
 ) -> Attachment | None:
+    # create_or_join opened a regular file of this user; a mode that lets
+    # anyone else write it is refused before its mutex is even taken (the
+    # region's holders and ranks are this user's processes: one of them never
+    # makes a loose file, so one here was changed or planted).
+    check_private(os.fstat(fd), path, "shared region")
     if not _acquire_mutex(fd, deadline):
         raise SharedRegionError(
             f"shared region {path} was not ready within join_timeout={join_timeout} s: "
@@ -466,7 +481,12 @@ def _join(
             raise SharedRegionError(f"rank {rank} is already attached to shared region {path}")
         data_fd = fd
         if h.data_path is not None:  # pragma: no cover - needs reserved huge pages
-            data_fd = os.open(h.data_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            data_fd = os.open(h.data_path, OPEN_FLAGS)
+            try:
+                check_private(os.fstat(data_fd), h.data_path, "shared region's huge pages")
+            except BaseException:
+                os.close(data_fd)
+                raise
         map_length = round_up(h.data_bytes, h.page_size)
         _attach_rank(fd, h, rank, path)
         backing = "shm" if h.data_path is None else "hugetlbfs"
@@ -551,7 +571,7 @@ def reap(
             continue
         path = os.path.join(directory, name)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(path, OPEN_FLAGS)
         except OSError:
             continue  # gone, another user's, not a file
         try:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from support.processes import Children
 
-from kvtier.tiers.host import segment_path
+from kvtier.tiers.host import Geometry, segment_path
 
 ROW_BYTES = 8192
 STRIDE = 4096 + ROW_BYTES
@@ -21,9 +21,9 @@ def pattern(key: bytes, n: int = ROW_BYTES) -> bytes:
     return hashlib.shake_128(key).digest(n)
 
 
-def budget(rows: int) -> int:
-    """A host budget of ``rows`` rows of :data:`ROW_BYTES`."""
-    return rows * STRIDE
+def budget(rows: int, instances: int = 1) -> int:
+    """The host budget of exactly ``rows`` rows of :data:`ROW_BYTES` for ``instances`` slots."""
+    return Geometry.budget_for(ROW_BYTES, rows, instances)
 
 
 @pytest.fixture

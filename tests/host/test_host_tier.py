@@ -56,7 +56,7 @@ def check_rows(stats: HostTierStatistics) -> None:
 def spawn(
     children: Children, ns: bytes, rows: int, instances: int, ttl: float = 5.0
 ) -> subprocess.Popen[str]:
-    return children.spawn(SCRIPT, ns.hex(), ROW_BYTES, budget(rows), instances, ttl)
+    return children.spawn(SCRIPT, ns.hex(), ROW_BYTES, budget(rows, instances), instances, ttl)
 
 
 def hello(children: Children, proc: subprocess.Popen[str]) -> dict[str, Any]:
@@ -80,8 +80,8 @@ def kill(proc: subprocess.Popen[str]) -> None:
 
 def test_instances_store_their_own_rows_and_load_each_others(namespace: bytes) -> None:
     with (
-        HostTier.open(namespace, ROW_BYTES, budget(16), 2) as a,
-        HostTier.open(namespace, ROW_BYTES, budget(16), 2) as b,
+        HostTier.open(namespace, ROW_BYTES, budget(16, 2), 2) as a,
+        HostTier.open(namespace, ROW_BYTES, budget(16, 2), 2) as b,
     ):
         assert (a.slot, b.slot) == (0, 1)
         ka, kb = keys(5, 1), keys(5, 2)
@@ -112,8 +112,8 @@ def test_instances_store_their_own_rows_and_load_each_others(namespace: bytes) -
 
 def test_an_instance_evicts_only_its_own_rows(namespace: bytes) -> None:
     with (
-        HostTier.open(namespace, ROW_BYTES, budget(8), 2) as a,
-        HostTier.open(namespace, ROW_BYTES, budget(8), 2) as b,
+        HostTier.open(namespace, ROW_BYTES, budget(8, 2), 2) as a,
+        HostTier.open(namespace, ROW_BYTES, budget(8, 2), 2) as b,
     ):
         kb = keys(4, 2)
         store(b, kb)
@@ -136,8 +136,8 @@ def test_an_instance_evicts_only_its_own_rows(namespace: bytes) -> None:
 def test_a_row_reused_under_a_reader_is_a_miss_never_wrong_bytes(namespace: bytes) -> None:
     # lease_ttl_s=0: the owner honours no lease, so only the checks after the copy protect
     with (
-        HostTier.open(namespace, ROW_BYTES, budget(4), 2, lease_ttl_s=0) as a,
-        HostTier.open(namespace, ROW_BYTES, budget(4), 2, lease_ttl_s=0) as b,
+        HostTier.open(namespace, ROW_BYTES, budget(4, 2), 2, lease_ttl_s=0) as a,
+        HostTier.open(namespace, ROW_BYTES, budget(4, 2), 2, lease_ttl_s=0) as b,
     ):
         first = keys(2, 1)
         store(a, first)
@@ -168,8 +168,8 @@ def test_a_row_reused_under_a_reader_is_a_miss_never_wrong_bytes(namespace: byte
 
 def test_the_owner_does_not_reuse_a_row_a_live_reader_holds(namespace: bytes) -> None:
     with (
-        HostTier.open(namespace, ROW_BYTES, budget(8), 2) as a,
-        HostTier.open(namespace, ROW_BYTES, budget(8), 2) as b,
+        HostTier.open(namespace, ROW_BYTES, budget(8, 2), 2) as a,
+        HostTier.open(namespace, ROW_BYTES, budget(8, 2), 2) as b,
     ):
         first = keys(4, 1)
         store(a, first)
@@ -194,8 +194,8 @@ def test_a_row_seen_being_written_comes_back_when_its_owner_keeps_it(namespace: 
     # The owner makes a row odd before it checks the leases on it, and puts its seq
     # back when a reader holds it: a peer that looked in between must find it again.
     with (
-        HostTier.open(namespace, ROW_BYTES, budget(4), 2) as a,
-        HostTier.open(namespace, ROW_BYTES, budget(4), 2) as b,
+        HostTier.open(namespace, ROW_BYTES, budget(4, 2), 2) as a,
+        HostTier.open(namespace, ROW_BYTES, budget(4, 2), 2) as b,
     ):
         (k,) = keys(1, 1)
         store(a, [k])
@@ -213,34 +213,34 @@ def test_a_row_seen_being_written_comes_back_when_its_owner_keeps_it(namespace: 
 
 
 def test_a_different_row_size_or_budget_is_refused_naming_both(namespace: bytes) -> None:
-    with HostTier.open(namespace, ROW_BYTES, budget(8), 2):
+    with HostTier.open(namespace, ROW_BYTES, budget(8, 2), 2):
         with pytest.raises(NamespaceMismatchError, match=rf"{ROW_BYTES} bytes.*4096 bytes"):
-            HostTier.open(namespace, 4096, budget(8), 2)
-        with pytest.raises(ConfigurationError, match=rf"{budget(8)}.*{budget(9)}") as info:
-            HostTier.open(namespace, ROW_BYTES, budget(9), 2)
+            HostTier.open(namespace, 4096, budget(8, 2), 2)
+        with pytest.raises(ConfigurationError, match=rf"{budget(8, 2)}.*{budget(9, 2)}") as info:
+            HostTier.open(namespace, ROW_BYTES, budget(9, 2), 2)
         assert info.value.problems[0][0] == "budget_bytes"
         with pytest.raises(ConfigurationError, match=r"instances: .* has 2, .* for 3"):
-            HostTier.open(namespace, ROW_BYTES, budget(8), 3)
+            HostTier.open(namespace, ROW_BYTES, budget(8, 3), 3)
 
 
 def test_every_slot_live_refuses_one_more_and_a_budget_too_small(namespace: bytes) -> None:
     with (
-        HostTier.open(namespace, ROW_BYTES, budget(4), 2),
-        HostTier.open(namespace, ROW_BYTES, budget(4), 2),
+        HostTier.open(namespace, ROW_BYTES, budget(4, 2), 2),
+        HostTier.open(namespace, ROW_BYTES, budget(4, 2), 2),
         pytest.raises(CapacityError, match="all 2 instance slots"),
     ):
-        HostTier.open(namespace, ROW_BYTES, budget(4), 2)
+        HostTier.open(namespace, ROW_BYTES, budget(4, 2), 2)
     with pytest.raises(CapacityError, match="none for each of 3 instances"):
-        HostTier.open(namespace, ROW_BYTES, budget(2), 3)
+        HostTier.open(namespace, ROW_BYTES, budget(2, 3), 3)
     with pytest.raises(InvalidArgumentError, match="16 bytes"):
-        HostTier.open(b"short", ROW_BYTES, budget(2), 1)
+        HostTier.open(b"short", ROW_BYTES, budget(2, 1), 1)
 
 
 def test_the_segment_goes_with_the_last_instance_and_blocks_outlive_theirs(
     namespace: bytes,
 ) -> None:
-    a = HostTier.open(namespace, ROW_BYTES, budget(8), 2)
-    b = HostTier.open(namespace, ROW_BYTES, budget(8), 2)
+    a = HostTier.open(namespace, ROW_BYTES, budget(8, 2), 2)
+    b = HostTier.open(namespace, ROW_BYTES, budget(8, 2), 2)
     path = segment_path(namespace)
     assert a.path == path
     assert os.path.exists(path)
@@ -253,7 +253,8 @@ def test_the_segment_goes_with_the_last_instance_and_blocks_outlive_theirs(
     b.refresh()
     assert all(loads_exactly(b, k) for k in keys(3, 1))  # a's blocks stay readable
     assert b.statistics().rows_orphaned == 4
-    with HostTier.open(namespace, ROW_BYTES, budget(8), 2) as c:  # takes a's rows, blocks and all
+    # c takes a's rows, blocks and all
+    with HostTier.open(namespace, ROW_BYTES, budget(8, 2), 2) as c:
         s = c.statistics()
         assert s.rows_adopted == 4
         assert s.own_blocks == 3
@@ -265,7 +266,7 @@ def test_the_segment_goes_with_the_last_instance_and_blocks_outlive_theirs(
 
 
 def test_statistics_are_a_frozen_record(namespace: bytes) -> None:
-    with HostTier.open(namespace, ROW_BYTES, budget(4), 1) as a:
+    with HostTier.open(namespace, ROW_BYTES, budget(4, 1), 1) as a:
         s = a.statistics()
         with pytest.raises(dataclasses.FrozenInstanceError):
             s.stores = 1  # type: ignore[misc]
@@ -312,7 +313,7 @@ def test_a_writer_killed_mid_store_leaves_nothing_readable_and_is_adopted(
     assert ask(children, w, op="pause", stage="store", at=1) == {"armed": "store"}
     children.tell(w, json.dumps({"op": "store", "keys": [torn.hex()]}))
     assert children.line(w) == {"paused": "store"}
-    with HostTier.open(namespace, ROW_BYTES, budget(8), 2) as p:
+    with HostTier.open(namespace, ROW_BYTES, budget(8, 2), 2) as p:
         assert p.statistics().rows_writing == 1
         assert torn not in p
         assert not p.load(torn, memoryview(bytearray(ROW_BYTES)))
@@ -341,7 +342,7 @@ def test_a_writer_killed_mid_store_leaves_nothing_readable_and_is_adopted(
 def test_a_reader_killed_mid_copy_leaves_a_lease_that_expires(
     namespace: bytes, children: Children
 ) -> None:
-    with HostTier.open(namespace, ROW_BYTES, budget(8), 2) as owner:
+    with HostTier.open(namespace, ROW_BYTES, budget(8, 2), 2) as owner:
         held = keys(4, 1)
         store(owner, held)
         r = spawn(children, namespace, 8, 2)
@@ -392,7 +393,7 @@ def test_kills_at_seeded_moments_serve_no_wrong_bytes(
     out = children.line(readers[1])
     assert out["wrong"] == 0, out
     assert out["hits"] > 0, out
-    with HostTier.open(namespace, ROW_BYTES, budget(rows), n) as restarted:
+    with HostTier.open(namespace, ROW_BYTES, budget(rows, n), n) as restarted:
         s = restarted.statistics()
         check_rows(s)
         assert s.live_instances == 3
@@ -421,7 +422,7 @@ def test_gc_removes_a_dead_segment_and_a_restart_adopts_it(
     path = segment_path(namespace)
     assert os.path.exists(path)
     # a restart finds it, adopts the dead instance's blocks, and closing removes it
-    with HostTier.open(namespace, ROW_BYTES, budget(8), 2) as r:
+    with HostTier.open(namespace, ROW_BYTES, budget(8, 2), 2) as r:
         assert r.statistics().rows_adopted == 4
         assert all(loads_exactly(r, k) for k in ks)
         assert reap_host_segments(namespace=namespace) == []  # live: kept
@@ -437,6 +438,6 @@ def test_gc_removes_a_dead_segment_and_a_restart_adopts_it(
     w = spawn(children, namespace, 8, 2)
     hello(children, w)
     kill(w)
-    with HostTier.open(namespace, 4096, budget(8), 1) as other:
+    with HostTier.open(namespace, 4096, budget(8, 1), 1) as other:
         assert other.statistics().rows_adopted == 0
         assert other.geometry.row_bytes == 4096

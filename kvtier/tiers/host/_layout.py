@@ -49,10 +49,19 @@ from kvtier.errors import (
     NamespaceMismatchError,
     SharedRegionError,
 )
-from kvtier.region._locks import acquire, allocate, create_or_join, release
-from kvtier.region._locks import held_by_others as _held_by_others
-from kvtier.region._locks import set_lock as _setlk
 from kvtier.region._mmap import PAGE_SIZE, memory_bytes, round_up
+from kvtier.shm import (
+    OPEN_FLAGS,
+    acquire,
+    allocate,
+    check_directory,
+    check_private,
+    create_or_join,
+    loose_mode,
+    release,
+)
+from kvtier.shm import held_by_others as _held_by_others
+from kvtier.shm import set_lock as _setlk
 from kvtier.tiers.block_format import HEADER_BYTES
 
 __all__ = [
@@ -92,7 +101,7 @@ SLOT_LOCK_BASE = 1024
 """File offset of slot 0's lock byte (a lock range, not data)."""
 
 _MAGIC = b"KVTHOST1"
-_VERSION = 1
+_VERSION = 2  # 2: the tables within the budget (1 put them beyond the rows)
 _READY = 1
 _MUTEX = 0
 # magic, version, state, namespace, row_bytes, row_stride, rows, instances, leases per
@@ -133,8 +142,39 @@ class Geometry:
 
     @property
     def rows(self) -> int:
-        """Rows of the segment: as many strides as the budget holds."""
-        return self.budget_bytes // self.row_stride
+        """Rows of the segment: as many as the budget holds with the tables beside them.
+
+        The budget is the whole segment, so the tables (a header page, the
+        instance and lease tables, a row entry per row, rounded to a page)
+        come out of it: the most rows ``r`` with ``data_offset(r) + r *
+        row_stride <= budget_bytes``.
+        """
+        fixed = self._tables_before_rows
+        per_row = self.row_stride + ROW_ENTRY_BYTES
+        r = max((self.budget_bytes - fixed) // per_row, 0)
+        # The table's rounding to a page can cost up to one page more than the
+        # estimate above: step down until the segment fits (at most a few steps).
+        while r > 0 and _data_offset(fixed, r) + r * self.row_stride > self.budget_bytes:
+            r -= 1
+        return r
+
+    @property
+    def _tables_before_rows(self) -> int:
+        """Bytes of the header and the instance and lease tables: what the rows' table follows."""
+        return PAGE_SIZE + self.instances * (
+            INSTANCE_ENTRY_BYTES + LEASES_PER_INSTANCE * LEASE_ENTRY_BYTES
+        )
+
+    @staticmethod
+    def budget_for(row_bytes: int, rows: int, instances: int = 1) -> int:
+        """The smallest host budget whose segment holds ``rows`` rows of ``row_bytes``.
+
+        The tables' bytes included: the segment of ``Geometry(ns, row_bytes,
+        budget_for(row_bytes, rows, instances), instances)`` is exactly that
+        budget and has exactly ``rows`` rows.
+        """
+        g = Geometry(bytes(16), row_bytes, 0, instances)
+        return _data_offset(g._tables_before_rows, rows) + rows * g.row_stride
 
     @property
     def quota(self) -> int:
@@ -155,11 +195,11 @@ class Geometry:
 
     @property
     def data_offset(self) -> int:
-        return round_up(self.table_offset + self.rows * ROW_ENTRY_BYTES, PAGE_SIZE)
+        return _data_offset(self.table_offset, self.rows)
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of the segment file: the tables, then the rows."""
+        """Bytes of the segment file: the tables, then the rows; never above ``budget_bytes``."""
         return self.data_offset + self.rows * self.row_stride
 
     def check(self) -> None:
@@ -183,12 +223,18 @@ class Geometry:
                 f"instances must be in [1, {MAX_INSTANCES}], got {self.instances}"
             )
         if self.budget_bytes < 0 or self.quota < 1:
+            need = Geometry.budget_for(self.row_bytes, self.instances, self.instances)
             raise CapacityError(
                 f"a host budget of {self.budget_bytes} bytes holds {self.rows} rows of "
                 f"{self.row_stride} bytes ({self.row_bytes} of payload and a "
-                f"{HEADER_BYTES}-byte header): none for each of {self.instances} instances; "
-                f"raise the budget to at least {self.instances * self.row_stride} bytes"
+                f"{HEADER_BYTES}-byte header) beside the segment's tables: none for each of "
+                f"{self.instances} instances; raise the budget to at least {need} bytes"
             )
+
+
+def _data_offset(table_offset: int, rows: int) -> int:
+    """Where the rows start: after the row table of ``rows`` entries, on a page."""
+    return round_up(table_offset + rows * ROW_ENTRY_BYTES, PAGE_SIZE)
 
 
 def segment_path(namespace: bytes, directory: str = SHM_DIR) -> str:
@@ -368,8 +414,16 @@ def attach(
     geometry is the same (its rows are adopted), and removed and made afresh
     when it differs, its header is damaged or it dates from another boot.
 
+    A named segment whose mode lets anyone else read or write it is never
+    joined: removed and made afresh when no live instance holds it, refused
+    when one does.
+
     Raises
     ------
+    UnsafeSharedFileError
+        ``directory`` lets other users replace files in it, or a file under
+        the name is a symbolic link, not a regular file, another user's, or
+        loose and held by a live instance (the path, mode and owner named).
     NamespaceMismatchError
         A live segment of another row size (or namespace).
     ConfigurationError
@@ -381,6 +435,7 @@ def attach(
         The directory or the machine lacks the room (nothing is left behind).
     """
     geometry.check()
+    check_directory(directory, "host segment")
     path = segment_path(geometry.namespace, directory)
     deadline = time.monotonic() + join_timeout
     return create_or_join(
@@ -466,12 +521,11 @@ def _join(
     join_timeout: float,
     register: Callable[[Segment], T],
 ) -> tuple[Segment, T] | None:
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-        raise SharedRegionError(
-            f"{path} is not a host segment of this user: remove it, or give this instance "
-            "another directory"
-        )
+    # create_or_join opened it as a regular file of this user (no symbolic link
+    # followed, nothing else). Its mode is judged here: a segment anyone else
+    # could have written since it was made is never adopted (its rows could be
+    # planted, and XXH3 is no key) nor served.
+    loose = loose_mode(os.fstat(fd))
     if not acquire_mutex(fd, deadline):
         raise SharedRegionError(
             f"host segment {path} stayed locked for join_timeout={join_timeout} s: the "
@@ -480,8 +534,13 @@ def _join(
     try:
         if os.fstat(fd).st_nlink == 0:
             return None  # the last instance closed it, or it was reaped: start over
-        h = _read_header(fd)
         live = others_live(fd, MAX_INSTANCES)
+        if loose:
+            if live:  # in use: refuse, naming the path, the mode and the owner
+                check_private(os.fstat(fd), path, "host segment")
+            _unlink(path, fd)  # nobody holds it: replaced by a fresh private one
+            return None
+        h = _read_header(fd)
         if h is None or h.boot != boot_id() or os.fstat(fd).st_size != h.offsets[4]:
             if live:
                 raise SharedRegionError(
@@ -551,7 +610,7 @@ def reap(
             continue
         path = os.path.join(directory, name)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(path, OPEN_FLAGS)
         except OSError:
             continue
         try:

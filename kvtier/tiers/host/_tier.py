@@ -577,17 +577,20 @@ class HostTier:
         p = o + HEADER_BYTES
         n = self._g.row_bytes
         half = n // 2
+        # The checksum is taken over the caller's payload, never over the row:
+        # the row is shared memory that anything mapping the segment can write
+        # while it is being filled, and a sum over it would seal such bytes as
+        # valid. Summed from the source, a row that differs from what this
+        # instance meant to store fails verification: a miss.
+        summed = block_format.checksum(payload)
         m[p : p + half] = payload[:half]
         if self.hook is not None:
             self.hook("store")
         m[p + half : p + n] = payload[half:]
-        body = memoryview(m)[p : p + n]
         page = memoryview(m)[o : o + HEADER_BYTES]
         try:
-            summed = block_format.checksum(body)
             block_format.seal_header(page, key, self._g.namespace, n, summed, int(time.time()))
         finally:
-            body.release()
             page.release()
         t.set_key(row, key)
         t.words[t.seq_word(row)] = seq + 1
