@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
+from kvtier import shm
 from kvtier.errors import (
     AlignmentError,
     CapacityError,
@@ -38,7 +39,7 @@ from kvtier.errors import (
     UnsafeSharedFileError,
 )
 from kvtier.layout import KVLayout
-from kvtier.region import _mmap, _shm
+from kvtier.region import _shm
 
 if TYPE_CHECKING:
     import torch
@@ -88,7 +89,7 @@ def _release(addr: int, length: int, pins: list[int], unpin: Callable[[int], Non
     for chunk in reversed(pins):
         unpin(chunk)  # pragma: no cover - needs a GPU
     pins.clear()
-    _mmap.munmap(addr, length)
+    shm.munmap(addr, length)
 
 
 def _no_unpin(_addr: int) -> None:  # pragma: no cover - only called with pins
@@ -277,12 +278,12 @@ class CPURegion:
         if pin not in ("auto", "on", "off"):
             raise InvalidArgumentError(f"pin must be 'auto', 'on' or 'off', got {pin!r}")
         if alignment is None:
-            align = _mmap.PAGE_SIZE
+            align = shm.PAGE_SIZE
         else:
             _check_int("alignment", alignment, 1)
             if alignment & (alignment - 1):
                 raise InvalidArgumentError(f"alignment must be a power of two, got {alignment}")
-            align = max(alignment, _mmap.PAGE_SIZE)
+            align = max(alignment, shm.PAGE_SIZE)
         if shared_name is None and world_size > 1:
             raise InvalidArgumentError(
                 f"world_size={world_size} shares the region between processes: pass "
@@ -292,7 +293,7 @@ class CPURegion:
             _shm.region_path(shared_name)  # validates before any work
 
         slice_bytes = layout.bytes_per_chunk
-        row_stride = _mmap.round_up(world_size * slice_bytes, align)
+        row_stride = shm.round_up(world_size * slice_bytes, align)
         rows = cpu_bytes_to_use // row_stride
         if rows == 0:
             raise CapacityError(
@@ -314,11 +315,11 @@ class CPURegion:
         length = rows * row_stride
         # Large regions start on a huge page boundary so THP can back them from
         # the first byte; the extra address space is reserved only to find it.
-        map_align = max(align, _mmap.PMD_SIZE) if length >= _mmap.PMD_SIZE else align
+        map_align = max(align, shm.PMD_SIZE) if length >= shm.PMD_SIZE else align
         try:
             if shared_name is None:
-                addr = _mmap.map_aligned(length, map_align)
-                map_length, page_size = length, _mmap.PAGE_SIZE
+                addr = shm.map_aligned(length, map_align)
+                map_length, page_size = length, shm.PAGE_SIZE
                 backing: Backing = "anonymous"
             else:
                 geometry = _shm.Geometry(
@@ -338,7 +339,7 @@ class CPURegion:
                 map_length, page_size = att.map_length, att.page_size
                 backing = "shm" if att.backing == "shm" else "hugetlbfs"
                 map_align = max(map_align, page_size)
-                addr = _mmap.map_aligned(
+                addr = shm.map_aligned(
                     map_length, map_align, fd=att.data_fd, offset=att.data_offset
                 )
         except UnsafeSharedFileError:
@@ -362,17 +363,17 @@ class CPURegion:
             shared = shared_name is not None
             self._thp = (
                 backing != "hugetlbfs"
-                and _mmap.thp_honours_madvise(shmem=shared)
-                and _mmap.madvise(addr, map_length, _mmap.MADV_HUGEPAGE) == 0
+                and shm.thp_honours_madvise(shmem=shared)
+                and shm.madvise(addr, map_length, shm.MADV_HUGEPAGE) == 0
             )
-            how = _mmap.populate(addr, map_length, shared=shared)
+            how = shm.populate(addr, map_length, shared=shared)
             self._populated = "populate_write" if how == "populate_write" else "touch"
             self._pinned, self._pin_reason, unpin = _pin(
                 addr, map_length, row_stride, pin, self._pins
             )
             array = (ctypes.c_uint8 * map_length).from_address(addr)
         except BaseException as exc:
-            _mmap.munmap(addr, map_length)
+            shm.munmap(addr, map_length)
             self._detach()
             if isinstance(exc, OSError):
                 raise CapacityError(
@@ -618,7 +619,7 @@ def _check_memory(length: int, rows: int, row_stride: int) -> None:
     Faulting in more than there is would not fail cleanly: the OOM killer would
     pick a process instead.
     """
-    total, available = _mmap.memory_bytes()
+    total, available = shm.memory_bytes()
     if length > available:
         raise CapacityError(
             f"a CPU region of {length} bytes ({rows} rows of {row_stride} bytes) exceeds "

@@ -54,14 +54,17 @@ import time
 from dataclasses import dataclass
 
 from kvtier.errors import CapacityError, InvalidArgumentError, SharedRegionError
-from kvtier.region._mmap import PAGE_SIZE, PMD_SIZE, memory_bytes, round_up
 from kvtier.shm import (
     OPEN_FLAGS,
+    PAGE_SIZE,
+    PMD_SIZE,
     acquire,
     allocate,
     check_private,
     create_or_join,
+    memory_bytes,
     release,
+    round_up,
 )
 from kvtier.shm import held_by_others as _held_by_others
 from kvtier.shm import set_lock as _setlk

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvtier import shm
 from kvtier.errors import (
     CapacityError,
     ClosedError,
@@ -20,7 +21,7 @@ from kvtier.errors import (
     SharedRegionError,
 )
 from kvtier.layout import KVLayout
-from kvtier.region import CPURegion, RegionStatistics, _mmap
+from kvtier.region import CPURegion, RegionStatistics
 
 MiB = 1 << 20
 PAGE = mmap.PAGESIZE
@@ -81,7 +82,7 @@ def test_budget_sweep_never_exceeds_the_budget(
 ) -> None:
     layout = layout_factory(**LAYOUTS[name])
     align = max(alignment or PAGE, PAGE)
-    stride = _mmap.round_up(layout.bytes_per_chunk, align)
+    stride = shm.round_up(layout.bytes_per_chunk, align)
     budgets = [stride, stride + 1, 2 * stride - 1, 2 * stride, 7 * stride + 4095, 3 * MiB + 17]
     for budget in budgets:
         before = mapped_ranges()
@@ -105,7 +106,7 @@ def test_budget_sweep_never_exceeds_the_budget(
 
 
 def test_budget_below_one_row_says_what_a_row_needs(layout: KVLayout) -> None:
-    stride = _mmap.round_up(layout.bytes_per_chunk, PAGE)
+    stride = shm.round_up(layout.bytes_per_chunk, PAGE)
     with pytest.raises(CapacityError, match=f"a row needs {stride} bytes"):
         CPURegion.create(layout, stride - 1, pin="off")
 
@@ -123,7 +124,7 @@ def test_every_row_address_is_aligned(layout: KVLayout, alignment: int | None) -
 
 def test_large_regions_start_on_a_huge_page(layout: KVLayout) -> None:
     with CPURegion.create(layout, 6 * MiB, pin="off") as region:
-        assert region.row_address(0) % _mmap.PMD_SIZE == 0
+        assert region.row_address(0) % shm.PMD_SIZE == 0
 
 
 @pytest.mark.parametrize("alignment", [0, -4096, 3, 4097, 12288, True, 4096.0], ids=repr)
@@ -170,7 +171,7 @@ def test_rows_are_padded_at_their_end(
     ]
     try:
         a = regions[0]
-        assert a.row_stride == _mmap.round_up(3 * slice_bytes, PAGE) > 3 * slice_bytes
+        assert a.row_stride == shm.round_up(3 * slice_bytes, PAGE) > 3 * slice_bytes
         for r, region in enumerate(regions):
             for i, view in enumerate(region.tensor_views()):
                 assert view.data_ptr() - region.row_address(0) == (
@@ -232,7 +233,7 @@ def test_statistics_of_an_anonymous_region(layout: KVLayout) -> None:
     assert stats.mapped_bytes == region.rows * region.row_stride
     assert stats.backing == "anonymous"
     assert stats.page_size == PAGE
-    assert stats.transparent_huge_pages is _mmap.thp_honours_madvise(shmem=False)
+    assert stats.transparent_huge_pages is shm.thp_honours_madvise(shmem=False)
     assert stats.populated in ("populate_write", "touch")
     assert stats.shared_name is None
     assert stats.created is True
@@ -252,7 +253,7 @@ def test_statistics_of_a_shared_region(
         stats = region.statistics()
         assert stats.backing in ("shm", "hugetlbfs")
         if stats.backing == "shm":
-            assert stats.transparent_huge_pages is _mmap.thp_honours_madvise(shmem=True)
+            assert stats.transparent_huge_pages is shm.thp_honours_madvise(shmem=True)
         assert stats.shared_name == shm_name
         assert stats.created is True
         assert stats.pinned is False
@@ -298,15 +299,15 @@ def test_pinned_region_copies_to_the_device(layout: KVLayout) -> None:  # pragma
 
 def test_touch_fallback_faults_in_private_pages() -> None:
     n = 4 * MiB
-    addr = _mmap.map_aligned(n, PAGE)
+    addr = shm.map_aligned(n, PAGE)
     try:
-        assert _mmap.populate(addr, n, shared=False, method="touch") == "touch"
+        assert shm.populate(addr, n, shared=False, method="touch") == "touch"
         vec = (ctypes.c_uint8 * (n // PAGE))()
         libc = ctypes.CDLL(None, use_errno=True)
         assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(n), vec) == 0
         assert all(b & 1 for b in vec)
     finally:
-        _mmap.munmap(addr, n)
+        shm.munmap(addr, n)
 
 
 def test_touch_fallback_never_writes_shared_bytes(tmp_path: Any) -> None:
@@ -315,11 +316,11 @@ def test_touch_fallback_never_writes_shared_bytes(tmp_path: Any) -> None:
     try:
         os.ftruncate(fd, n)
         os.pwrite(fd, bytes(range(256)) * (n // 256), 0)
-        addr = _mmap.map_aligned(n, PAGE, fd=fd)
+        addr = shm.map_aligned(n, PAGE, fd=fd)
         try:
-            assert _mmap.populate(addr, n, shared=True, method="touch") == "touch"
+            assert shm.populate(addr, n, shared=True, method="touch") == "touch"
         finally:
-            _mmap.munmap(addr, n)
+            shm.munmap(addr, n)
         assert os.pread(fd, n, 0) == bytes(range(256)) * (n // 256)
     finally:
         os.close(fd)
@@ -439,7 +440,7 @@ def test_a_budget_beyond_memory_is_a_capacity_error(layout: KVLayout) -> None:
 def test_a_length_beyond_size_t_is_refused_not_truncated() -> None:
     # ctypes passes size_t modulo 2**64: 2**64 + 8192 would map 8192 bytes.
     with pytest.raises(OSError, match="not a length any machine maps"):
-        _mmap.map_aligned((1 << 64) + 8192, _mmap.PAGE_SIZE)
+        shm.map_aligned((1 << 64) + 8192, shm.PAGE_SIZE)
 
 
 def _mappings() -> int:
@@ -470,7 +471,7 @@ def anon_huge_bytes(addr: int) -> int:
 
 
 @pytest.mark.skipif(
-    not _mmap.thp_honours_madvise(shmem=False), reason="transparent huge pages are off"
+    not shm.thp_honours_madvise(shmem=False), reason="transparent huge pages are off"
 )
 def test_anonymous_region_gets_huge_pages(layout: KVLayout) -> None:
     with CPURegion.create(layout, 16 * MiB, pin="off") as region:

@@ -410,7 +410,7 @@ def test_a_shared_region_beyond_dev_shm_names_the_budget(layout: KVLayout, shm_n
 def test_a_shared_region_beyond_memory_is_refused(layout: KVLayout, shm_name: str) -> None:
     """/dev/shm may be larger than what memory is available: the OOM killer must not pay."""
     from kvtier.errors import CapacityError
-    from kvtier.region._mmap import memory_bytes
+    from kvtier.shm import memory_bytes
 
     st = os.statvfs("/dev/shm")
     shm_free = st.f_bavail * st.f_frsize

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from kvtier.region._locks import held_by_others, set_lock
+from kvtier.shm import held_by_others, set_lock
 from kvtier.tiers.host._layout import FILE_PREFIX, MAX_INSTANCES, others_live, reap
 
 __all__ = ["JANITOR_BYTE", "ensure_janitor", "watch"]

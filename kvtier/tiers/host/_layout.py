@@ -49,16 +49,18 @@ from kvtier.errors import (
     NamespaceMismatchError,
     SharedRegionError,
 )
-from kvtier.region._mmap import PAGE_SIZE, memory_bytes, round_up
 from kvtier.shm import (
     OPEN_FLAGS,
+    PAGE_SIZE,
     acquire,
     allocate,
     check_directory,
     check_private,
     create_or_join,
     loose_mode,
+    memory_bytes,
     release,
+    round_up,
 )
 from kvtier.shm import held_by_others as _held_by_others
 from kvtier.shm import set_lock as _setlk

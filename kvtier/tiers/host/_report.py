@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.region._locks import held_by_others
+from kvtier.shm import held_by_others
 from kvtier.tiers.host._janitor import JANITOR_BYTE
 from kvtier.tiers.host._layout import FILE_PREFIX, SHM_DIR, Segment, _read_header
 from kvtier.tiers.host._table import Table

@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from kvtier.errors import ClosedError, InvalidArgumentError, SharedRegionError
 from kvtier.keys import KEY_BYTES
-from kvtier.region._mmap import MADV_POPULATE_READ, madvise
+from kvtier.shm import MADV_POPULATE_READ, madvise
 from kvtier.tiers import block_format
 from kvtier.tiers.block_format import HEADER_BYTES, VERIFY_OK
 from kvtier.tiers.host._janitor import ensure_janitor

@@ -1,4 +1,4 @@
-"""Locks on bytes of a shared file, held by an open file description (``F_OFD_SETLK``),
+"""Private: locks on bytes of a shared file, held by an open file description (``F_OFD_SETLK``),
 the loop that creates such a file or joins it, and the allocation of its bytes.
 
 The primitives of kvtier's shared mappings (the CPU region shared by a

@@ -1,4 +1,4 @@
-"""Private: aligned memory mappings through libc, for :mod:`kvtier.region`.
+"""Private: memory mappings through libc (through :mod:`kvtier.shm`): the region, the host tier.
 
 Python's :class:`mmap.mmap` cannot choose an address, trim a mapping or map a
 file at a fixed place, and the CPU region needs all three: its start must be a
