@@ -33,11 +33,15 @@ What it decides:
 * **Probing a shared tier.** A tier other instances write (the cluster tier)
   may hold blocks this instance never saw: a lookup of a key that no tier is
   known to hold asks it (RETRY), in one batch per scheduler step.
-* **A lower tier's failure is a miss.** A failed read drops the block from
-  the tiers that said they had it, and the lookup answers MISS, never an
-  error. A lookup that has waited on a read or a probe past
-  ``lookup_deadline_s`` answers MISS: a stalled tier never holds a request
-  (the read goes on, and its block serves a later request).
+* **A lower tier's failure falls through, then is a miss.** A block a read
+  did not deliver (vanished, damaged, its row reused, the tier refusing) is
+  dropped from that tier, and read into the same CPU row from the next tier
+  below it that holds it (a :class:`Read` that ``follows`` the first); only
+  when no tier below holds it, or its wait is past ``lookup_deadline_s``, is
+  it a miss (the lookup answers MISS, never an error). A lookup that has
+  waited on a read or a probe past ``lookup_deadline_s`` answers MISS: a
+  stalled tier never holds a request (the read goes on, and its block serves
+  a later request).
 
 Both fronts drive it. The :class:`~kvtier.engine.Engine` owns it on its
 event loop, with the tiers on the same loop, and turns intents into
@@ -143,6 +147,10 @@ class Read:
     """CPU row of each key."""
     seq: int = 0
     """As :attr:`Write.seq`."""
+    follows: int = 0
+    """The ``seq`` of the read whose undelivered blocks this one reads from a
+    lower tier, into the same rows (see :meth:`Chain.follow_ups`); 0 for a
+    first read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +226,8 @@ class TierCounts:
     blocks_out: int = 0
     """Blocks read out of it (CPU: to the device; lower: promotions into CPU rows)."""
     read_failures: int = 0
-    """Blocks a read from it failed to deliver (a miss)."""
+    """Blocks a read from it failed to deliver (each then read from the next tier
+    below that holds it, else a miss)."""
     write_failures: int = 0
     """Blocks a write to it failed or could not start."""
     probes: int = 0
@@ -410,6 +419,12 @@ class Chain:
         """CPU rows whose evicted block is being written back, and that write."""
         self._deferred: list[Read] = []
         """Reads into rows whose evicted block is still being written back."""
+        self._read_since: dict[int, float] = {}
+        """Reads in flight: when the first read of their blocks was issued (a
+        read that follows another keeps that one's time: one deadline per block)."""
+        self._follow_ups: dict[int, tuple[Read, ...]] = {}
+        """Reads whose undelivered blocks went on to lower tiers, and those reads
+        (:meth:`follow_ups`), until one of those settles."""
         self._rows = cpu.capacity
         self._requests: dict[object, _Request] = {}
         """Requests looking up, least recently active first."""
@@ -805,6 +820,27 @@ class Chain:
             reads.append(read)
         return reads
 
+    def follow_ups(self, read: Read) -> tuple[Read, ...]:
+        """The reads that carry on ``read``'s undelivered blocks from lower tiers.
+
+        Made when ``read``'s :class:`ReadDone` was settled: each block the
+        tier did not deliver, held by a tier below it, is read from the
+        highest such tier into the row it already had (the row stays
+        reserved: not ready, not evictable), in one :class:`Read` per tier,
+        each with ``follows`` set to ``read.seq``. A front that waits on
+        ``read``'s blocks (the Engine's loads) asks right after that outcome
+        and waits on these for the blocks they carry; the blocks of ``read``
+        that are in neither ``loaded`` nor these reads are misses.
+
+        Returns
+        -------
+        tuple of Read
+            Empty when every block was delivered, or none is held below (or
+            their wait is past ``lookup_deadline_s``), or once one of these
+            reads has settled (ask right after ``read``'s outcome).
+        """
+        return self._follow_ups.get(read.seq, ())
+
     def evicting_writes(self, plan: StorePlan) -> tuple[Write, ...]:
         """The write-backs the rows of ``plan`` wait for (their evicted blocks)."""
         if not self._evicting:
@@ -1074,20 +1110,77 @@ class Chain:
             tier.period_blocks = 0
             tier.idle_since = now
         bad = [k for k in read.keys if k not in done.loaded]
+        since = self._read_since.pop(read.seq, None)
+        if read.follows:
+            self._follow_ups.pop(read.follows, None)  # its front has asked by now
         if good:
             self._cpu.complete_store(good, True)
             tier.counts.blocks_out += len(good)
-        if read.seq in self._lookup_reads:  # (a front's own promotions were counted by prefix)
+        lookup = read.seq in self._lookup_reads
+        if lookup:  # (a front's own promotions were counted by prefix)
             self._lookup_reads.discard(read.seq)
             tier.counts.lookup_hits += len(good)
+        again: set[bytes] = set()
         if bad:
-            self._cpu.complete_store(bad, False)
             tier.counts.read_failures += len(bad)
             tier.forget(bad)  # vanished, damaged or unreachable
+            again = self._fall_through(read, bad, since, lookup)
+            lost = [k for k in bad if k not in again]
+            if lost:
+                self._cpu.complete_store(lost, False)
         for k in read.keys:
-            self._waiting.pop(k, None)
+            if k not in again:
+                self._waiting.pop(k, None)
         if good and tier.spec.promote_up and read.tier:
             self._write_down(good, range(read.tier), store=False)
+
+    def _fall_through(
+        self, read: Read, bad: Sequence[bytes], since: float | None, lookup: bool
+    ) -> set[bytes]:
+        """Read the blocks ``read`` did not deliver from the tiers below its own that
+        hold them, into the same rows (still reserved); the keys read again.
+
+        Only tiers below: each block falls through the chain at most once per
+        tier, so it ends. A block whose wait (its lookup's, else its first
+        read's) is past the deadline is a miss instead: its lookup answers
+        MISS by now, and a stalled tier must not hold its row longer.
+        """
+        now = self._clock()
+        lower = self._lower
+        waiting = self._waiting
+        failed = set(bad)
+        by_tier: dict[int, list[tuple[bytes, int]]] = {}
+        for k, slot in zip(read.keys, read.rows, strict=True):
+            if k not in failed:
+                continue
+            w = waiting.get(k)
+            began = w.since if w is not None else since
+            if began is not None and now - began >= self._deadline:
+                continue
+            below = next((j for j in range(read.tier + 1, len(lower)) if k in lower[j].known), -1)
+            if below < 0:
+                continue
+            by_tier.setdefault(below, []).append((k, slot))
+            if w is not None:
+                w.tier = below
+        if not by_tier:
+            return set()
+        reads = []
+        for j in sorted(by_tier):
+            pairs = by_tier[j]
+            again = Read(
+                j,
+                tuple(k for k, _s in pairs),
+                tuple(s for _k, s in pairs),
+                self._next(),
+                follows=read.seq,
+            )
+            if lookup:
+                self._lookup_reads.add(again.seq)
+            self._read(again, since)
+            reads.append(again)
+        self._follow_ups[read.seq] = tuple(reads)
+        return {k for r in reads for k in r.keys}
 
     def _settle_write(self, done: Written) -> None:
         write = done.intent
@@ -1129,8 +1222,13 @@ class Chain:
             self._write_pins[k] = self._write_pins.get(k, 0) + 1
         self._intents.append(Write(index, plan.keys, plan.slots, seq=self._next()))
 
-    def _read(self, read: Read) -> None:
-        """Issue ``read``, or hold it while one of its rows is still being written back."""
+    def _read(self, read: Read, since: float | None = None) -> None:
+        """Issue ``read``, or hold it while one of its rows is still being written back.
+
+        ``since``: when its blocks' first read was issued (a read that follows
+        another), else now.
+        """
+        self._read_since.setdefault(read.seq, self._clock() if since is None else since)
         if self._evicting and any(s in self._evicting for s in read.rows):
             self._deferred.append(read)
             return

@@ -121,7 +121,8 @@ class TierReport(Generic[_S]):
     """The same for reads out of the tier."""
     read_failures: int = 0
     """Blocks a read from this lower tier did not deliver (absent, vanished,
-    damaged, an I/O error, the tier refusing the read): each is a miss."""
+    damaged, an I/O error, the tier refusing the read): each is read from the
+    next tier below that holds it (counted there too), else it is a miss."""
     write_failures: int = 0
     """Blocks whose write into this lower tier failed or could not start (an I/O
     error, no room, the tier still recovering, a close past its timeout)."""
@@ -181,8 +182,8 @@ class FrontStatistics:
     """Blocks an Engine store gave up on: no row could be freed (Engine only)."""
     load_shortfalls: int
     """Blocks an Engine load had promised but could not deliver (an I/O or
-    integrity failure, a block vanished from a shared tier, a node down;
-    Engine only)."""
+    integrity failure, a block vanished from a shared tier, a node down, and
+    no tier below the one that failed held it; Engine only)."""
     deadline_misses: int
     """Lookups answered as misses because a lower tier's read or probe, or the
     request's wait, outlasted ``lookup_deadline_s`` (vLLM only)."""

@@ -1,7 +1,8 @@
 """The ``kvtier`` command: ``demo``, ``bench``, ``inspect`` and ``gc``.
 
 Exit status: 0 success; 1 the command ran and its check failed (a wrong demo
-answer, a damaged block found by ``inspect``, a ``gc`` target out of reach);
+answer, a damaged block or host segment found by ``inspect``, a ``gc`` target
+out of reach);
 2 it could not run as asked (a bad argument, a missing directory, a system
 error), said in one line on stderr; 130 interrupted.
 """
@@ -32,11 +33,16 @@ __all__ = ["main"]
 EXIT_CODES = """exit status:
   0    success
   1    the command ran and its check failed: a demo answer differs from the
-       recompute, inspect found a damaged block, gc could not reach --keep-bytes
+       recompute, inspect found a damaged block or host segment, gc could not
+       reach --keep-bytes
   2    it could not run as asked: a bad argument, a missing directory, a
        system error (one line on stderr; -v logs more)
   130  interrupted (Ctrl-C)"""
 """The exit codes, as ``--help`` prints them."""
+
+
+_SHM_DIR = "/dev/shm"
+"""Where ``--shm`` looks without a DIR (the host tier's default ``directory``)."""
 
 
 def _directory(path: Path | None, flag: str) -> None:
@@ -419,48 +425,65 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def _inspect_shm(args: argparse.Namespace) -> int:
-    """``kvtier inspect --shm``: the host tier segments of /dev/shm, read without joining."""
-    from kvtier.tiers.host import inspect_host_segments
+    """``kvtier inspect --shm [DIR]``: the host tier segments of DIR, read without joining."""
+    from rich.markup import escape
+
+    from kvtier.tiers.host import survey_host_segments
 
     if args.root is not None:
-        raise InvalidArgumentError("--shm takes no ROOT")
-    reports = inspect_host_segments()
+        raise InvalidArgumentError("--shm takes no ROOT (--shm DIR names the directory)")
+    if args.shm != _SHM_DIR:  # a machine without /dev/shm has nothing in it to list
+        _directory(Path(args.shm), "--shm")
+    survey = survey_host_segments(args.shm)
+    status = 1 if survey.damaged else 0
     if args.json:
-        print(json.dumps([r.as_dict() for r in reports], indent=2))
-        return 0
+        print(json.dumps(survey.as_dict(), indent=2))
+        return status
     console = make_console()
-    if not reports:
-        console.print("/dev/shm: no kvtier host segments", highlight=False, soft_wrap=True)
-        return 0
-    columns = ["namespace", "row", "rows", "live", "held", "orphaned", "free", "blocks"]
-    columns += ["watched"]
-    rows = [
-        [
-            r.namespace,
-            human_bytes(r.row_bytes),
-            str(r.rows),
-            f"{r.live_instances}/{r.instances}",
-            "+".join(str(n) for n in r.rows_held if n) or "0",
-            str(r.rows_orphaned),
-            str(r.rows_free),
-            str(r.blocks),
-            "yes" if r.watched else "no",
+    if not survey.segments:
+        console.print(
+            f"{escape(args.shm)}: no kvtier host segments"
+            + (", but damaged entries:" if survey.damaged else ""),
+            highlight=False,
+            soft_wrap=True,
+        )
+    else:
+        columns = ["namespace", "row", "rows", "live", "held", "orphaned", "free", "blocks"]
+        columns += ["watched"]
+        rows = [
+            [
+                r.namespace,
+                human_bytes(r.row_bytes),
+                str(r.rows),
+                f"{r.live_instances}/{r.instances}",
+                "+".join(str(n) for n in r.rows_held if n) or "0",
+                str(r.rows_orphaned),
+                str(r.rows_free),
+                str(r.blocks),
+                "yes" if r.watched else "no",
+            ]
+            for r in survey.segments
         ]
-        for r in reports
-    ]
-    console.print(
-        fit_table(
-            f"kvtier host tier segments in /dev/shm: {len(reports)}",
-            columns,
-            rows,
-            console.width,
-            left=("namespace",),
-            own_line=("namespace",),
-        ),
-        highlight=False,
-        soft_wrap=True,
-    )
-    return 0
+        console.print(
+            fit_table(
+                f"kvtier host tier segments in {escape(args.shm)}: {len(survey.segments)}",
+                columns,
+                rows,
+                console.width,
+                left=("namespace",),
+                own_line=("namespace",),
+            ),
+            highlight=False,
+            soft_wrap=True,
+        )
+    for d in survey.damaged:
+        fate = "kvtier gc --shm removes it" if d.removable else "kvtier gc --shm keeps it"
+        console.print(
+            f"[red]damaged[/red] {escape(d.path)}: {escape(d.problem)} ({fate})",
+            highlight=False,
+            soft_wrap=True,
+        )
+    return status
 
 
 def _inspect_cluster(args: argparse.Namespace) -> int:
@@ -568,26 +591,43 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _gc_shm(args: argparse.Namespace) -> int:
-    """``kvtier gc --shm``: this user's stale shared CPU regions and host segments in /dev/shm."""
+    """``kvtier gc --shm [DIR]``: this user's stale shared CPU regions (in /dev/shm) and
+    host segments (in DIR), and what is damaged under the host segments' prefix."""
     from kvtier.region import reap_shared_regions
-    from kvtier.tiers.host import reap_host_segments
+    from kvtier.tiers.host import reap_damaged_host_segments, reap_host_segments
 
     if args.root is not None or args.keep_bytes is not None:
-        raise InvalidArgumentError("--shm takes no ROOT nor --keep-bytes")
+        raise InvalidArgumentError(
+            "--shm takes no ROOT nor --keep-bytes (--shm DIR names the directory)"
+        )
+    if args.shm != _SHM_DIR:
+        _directory(Path(args.shm), "--shm")
     paths = reap_shared_regions(args.unused_for or 0.0, dry_run=args.dry_run)
     # A host segment no instance holds is kept by design (a restarted instance
     # adopts its blocks) until the last one closes; --unused-for does not apply.
-    hosts = [] if args.unused_for else reap_host_segments(dry_run=args.dry_run)
+    # The damaged first, each then named with what is wrong with it (the
+    # reaper would take a truncated segment along as a plain unheld one).
+    damaged = [] if args.unused_for else reap_damaged_host_segments(args.shm, dry_run=args.dry_run)
+    said = {d.path for d in damaged}
+    hosts = [] if args.unused_for else reap_host_segments(args.shm, dry_run=args.dry_run)
+    hosts = [p for p in hosts if p not in said]
     if args.json:
-        out = {"dry_run": args.dry_run, "removed": paths, "host_segments": hosts}
+        out = {
+            "dry_run": args.dry_run,
+            "removed": paths,
+            "host_segments": hosts,
+            "damaged": [d.as_dict() for d in damaged],
+        }
         print(json.dumps(out, indent=2))
     else:
         verb = "would remove" if args.dry_run else "removed"
         print(
             f"/dev/shm: {verb} {plural(len(paths), 'stale shared region')}"
             + "".join(f"\n  {p}" for p in paths)
-            + f"\n/dev/shm: {verb} {plural(len(hosts), 'host segment')} no instance holds"
+            + f"\n{args.shm}: {verb} {plural(len(hosts), 'host segment')} no instance holds"
             + "".join(f"\n  {p}" for p in hosts)
+            + f"\n{args.shm}: {verb} {plural(len(damaged), 'damaged entry', 'damaged entries')}"
+            + "".join(f"\n  {d.path}: {d.problem}" for d in damaged)
         )
     return 0
 
@@ -723,15 +763,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="what a file tier root, a cluster tier's cluster, or the host tier holds",
         description="A file tier root (ROOT), with --cluster the kvtier blocks on a "
         "Valkey/Redis cluster per tenant prefix and namespace (SCAN, read only), or with "
-        "--shm the host tier segments in /dev/shm (read without joining them). The "
+        "--shm the host tier segments in /dev/shm or DIR (read without joining them; "
+        "what else is under their prefix is listed as damaged, exit status 1). The "
         "cluster's password is read from $KVTIER_CLUSTER_PASSWORD or --password-file, "
         "never from the command line.",
     )
     insp.add_argument("root", type=Path, nargs="?", help="the file tier root")
     insp.add_argument(
         "--shm",
-        action="store_true",
-        help="the host tier segments in /dev/shm: instances, rows held, blocks",
+        nargs="?",
+        const=_SHM_DIR,
+        default=None,
+        metavar="DIR",
+        help="the host tier segments in DIR (default /dev/shm; host_tier.directory): "
+        "instances, rows held, blocks, and what is damaged",
     )
     insp.add_argument(
         "--cluster",
@@ -762,15 +807,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "takes at most --keep-bytes on disk. Open namespaces are never removed; only "
         "what kvtier wrote is deleted. With --shm instead: remove this user's shared CPU "
         "regions in /dev/shm that no live process holds (left by an instance killed "
-        "before every worker attached), and host tier segments no instance holds (left "
-        "by instances all killed; without --unused-for).",
+        "before every worker attached), and, in /dev/shm or DIR, host tier segments no "
+        "instance holds (left by instances all killed) and this user's damaged entries "
+        "under their prefix (truncated segments, garbage, FIFOs), never another user's; "
+        "host segments only without --unused-for.",
     )
     gc.add_argument("root", type=Path, nargs="?", default=None, help="the file tier root")
     gc.add_argument(
         "--shm",
-        action="store_true",
-        help="reap stale shared CPU regions in /dev/shm instead (no ROOT; "
-        "--unused-for limits it to files unwritten for that long)",
+        nargs="?",
+        const=_SHM_DIR,
+        default=None,
+        metavar="DIR",
+        help="reap stale shared CPU regions in /dev/shm and host tier segments in DIR "
+        "(default /dev/shm) instead (no ROOT; --unused-for limits it to region files "
+        "unwritten for that long)",
     )
     gc.add_argument(
         "--keep-bytes",

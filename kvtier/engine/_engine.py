@@ -72,7 +72,9 @@ class Engine(_Opening, _Storing, _Loading):
     *Failures.* A failure in a tier of the chain (the file tier full, an I/O
     error, a checksum mismatch, a cluster node down, a value vanished)
     degrades to a miss or a skipped write, counted in :meth:`statistics` and
-    logged; it never touches the CPU tier's ready blocks.
+    logged; it never touches the CPU tier's ready blocks. A block a lower
+    tier fails to deliver during a load is first read from the next tier
+    below that holds it: the load falls short only when none does.
     """
 
     # -- opening and closing ------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from kvtier.chain import ReadDone
+from kvtier.chain import Read, ReadDone
 from kvtier.engine._jobs import BlockIds, _guarded, _Job, _Load, _wait, _window_ids, log
 from kvtier.engine._state import _State
 from kvtier.errors import BlockNotFoundError, ClosedError, InvalidArgumentError
@@ -18,17 +18,40 @@ class _Loading(_State):
     """Loading (:meth:`~kvtier.engine.Engine.load`) and promotions' reads."""
 
     def _read_done(self, done: ReadDone) -> None:
-        """A promotion's read ended: the chain made its blocks ready (or misses)."""
+        """A promotion's read ended: the chain made its blocks ready, read the others
+        from a tier below (:meth:`Chain.follow_ups`), or found them misses."""
         read = done.intent
         good = [k for k in read.keys if k in done.loaded]
         job = self._read_jobs.pop(read.seq, None)
         if job is None:  # pragma: no cover - every read is the engine's
             return
+        for again in self._chain.follow_ups(read):
+            self._carry_on(job, again)
         job.ok.update(good)
         for k in read.keys:
             if self._inflight.get(k) is job:
                 del self._inflight[k]
         self._finish(job)  # the loads waiting take their blocks before anything else runs
+
+    def _carry_on(self, job: _Job, again: Read) -> None:
+        """The blocks of ``again`` that ``job`` did not deliver come from a lower tier:
+        a job of their own, which the loads waiting for them wait on instead."""
+        moved = set(again.keys)
+        nxt = _Job(again.keys, Completion())
+        self._read_jobs[again.seq] = nxt
+        for k in again.keys:
+            self._inflight[k] = nxt
+        self._track(nxt.done)
+        for st in job.claims:
+            keys = st.waits.get(job)
+            if not keys:
+                continue
+            mine = [k for k in keys if k in moved]
+            if mine:
+                # What is left stays claimed from ``job`` (an empty list is fine:
+                # its claim then takes nothing).
+                st.waits[job] = [k for k in keys if k not in moved]
+                self._wait_on(st, nxt, mine)
 
     async def _load(self, keys: Sequence[bytes], device_block_ids: BlockIds, skip: int = 0) -> int:
         """:meth:`~kvtier.engine.Engine.load`."""

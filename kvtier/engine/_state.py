@@ -69,8 +69,9 @@ class _State:
             _Link(name, tier) for (name, _spec), tier in zip(config.chain, tiers, strict=True)
         )
         # The cascade (write-through, write-back on eviction, promotion, a lower
-        # tier's failure as a miss) is the chain's, as under vLLM; the engine
-        # carries its intents out with awaitables (the runtime, inline).
+        # tier's failure read from the tier below it, else a miss) is the
+        # chain's, as under vLLM; the engine carries its intents out with
+        # awaitables (the runtime, inline).
         # (a load waits in the Engine, not in a lookup; the caller computes, so
         # the Engine never sees the recompute cost: only a set one declines)
         self._chain = chain_for(

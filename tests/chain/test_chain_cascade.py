@@ -178,6 +178,95 @@ def test_a_read_past_the_deadline_is_a_miss_and_still_serves_later() -> None:
     assert chain.lookup(key(1)) is Answer.HIT
 
 
+def _fail(read: Read, *missing: int) -> ReadDone:
+    """The outcome of ``read`` when the tier did not deliver blocks ``missing``."""
+    lost = {key(n) for n in missing}
+    return ReadDone(read, frozenset(k for k in read.keys if k not in lost))
+
+
+def test_a_block_a_tier_fails_to_deliver_is_read_from_the_next_tier_that_holds_it() -> None:
+    chain = new_chain(4, LowerTier("host"), LowerTier("file"), LowerTier("cluster"))
+    for tier in (0, 1, 2):
+        chain.settle(TierChanged(tier, added=(key(1), key(2))))
+    (read,) = chain.promote([key(1), key(2)])
+    assert read.tier == 0
+    assert chain.take_intents() == [read]
+    chain.settle(_fail(read, 1))  # its host row was reused, say
+    (again,) = chain.follow_ups(read)
+    assert (again.tier, again.keys, again.follows) == (1, (key(1),), read.seq)
+    assert again.rows == read.rows[:1]  # into the row it had: still reserved, not ready
+    assert key(1) in chain
+    assert not chain.is_ready(key(1))
+    assert chain.is_ready(key(2))
+    assert chain.take_intents() == [again]
+    chain.settle(ReadDone(again, frozenset(again.keys)))
+    assert chain.is_ready(key(1))
+    assert chain.follow_ups(read) == ()  # asked for right after its outcome, or never
+    counts = chain.statistics().tiers
+    assert (counts["host"].read_failures, counts["host"].blocks_out) == (1, 1)
+    assert (counts["file"].read_failures, counts["file"].blocks_out) == (0, 1)
+    assert chain.lower_of(key(1)) == 1  # the host tier forgot it
+    assert not chain.busy
+
+
+def test_a_block_falls_through_each_tier_at_most_once_then_is_a_miss() -> None:
+    chain = new_chain(4, LowerTier("host"), LowerTier("file"), LowerTier("cluster"))
+    chain.settle(TierChanged(0, added=(key(1),)))
+    chain.settle(TierChanged(2, added=(key(1),)))
+    (read,) = chain.promote([key(1)])
+    chain.take_intents()
+    chain.settle(_fail(read, 1))
+    (again,) = chain.follow_ups(read)
+    assert again.tier == 2  # the next tier below that holds it (the file tier does not)
+    chain.take_intents()
+    chain.settle(_fail(again, 1))
+    assert chain.follow_ups(again) == ()  # none below the last: a miss
+    assert key(1) not in chain  # its row went back
+    assert chain.lower_of(key(1)) is None
+    assert not chain.busy
+
+
+def test_a_lookup_whose_read_failed_waits_on_the_next_tier_not_a_miss() -> None:
+    chain = new_chain(2, LowerTier("host"), LowerTier("file"))
+    chain.settle(TierChanged(0, added=(key(1),)))
+    chain.settle(TierChanged(1, added=(key(1),)))
+    assert chain.lookup(key(1)) is Answer.RETRY
+    (read,) = chain.take_intents()
+    assert isinstance(read, Read)
+    chain.settle(_fail(read, 1))
+    assert chain.lookup(key(1)) is Answer.RETRY  # read from the file tier now
+    (again,) = chain.take_intents()
+    assert isinstance(again, Read)
+    assert (again.tier, again.follows) == (1, read.seq)
+    chain.settle(ReadDone(again, frozenset(again.keys)))
+    assert chain.lookup(key(1)) is Answer.HIT
+    counts = chain.statistics().tiers
+    assert counts["file"].lookup_hits == 1  # the tier that delivered it
+    assert counts["host"].lookup_hits == 0
+
+
+@pytest.mark.parametrize("looked_up", [True, False], ids=["lookup", "promote"])
+def test_a_failed_read_past_the_deadline_does_not_fall_through(looked_up: bool) -> None:
+    clock = Clock()
+    chain = new_chain(2, LowerTier("host"), LowerTier("file"), clock=clock)
+    chain.settle(TierChanged(0, added=(key(1),)))
+    chain.settle(TierChanged(1, added=(key(1),)))
+    if looked_up:
+        assert chain.lookup(key(1)) is Answer.RETRY
+        (read,) = chain.take_intents()
+    else:
+        (read,) = chain.promote([key(1)])
+        chain.take_intents()
+    assert isinstance(read, Read)
+    clock.now += DEADLINE_S  # the host tier stalled that long, then failed
+    chain.settle(_fail(read, 1))
+    assert chain.follow_ups(read) == ()
+    assert chain.take_intents() == []
+    assert key(1) not in chain  # a miss: its row went back at once
+    assert chain.lower_of(key(1)) == 1  # a later request reads it from the file tier
+    assert not chain.busy
+
+
 def test_a_store_in_flight_is_pending() -> None:
     chain = new_chain(2, LowerTier("file"))
     plan = chain.place([key(1)])

@@ -30,6 +30,7 @@ import torch
 
 from kvtier import Engine, KVLayout, KVTierConfig, chain_keys
 from kvtier.config import HostTierConfig
+from kvtier.tiers.host import Geometry
 
 NUM_BLOCKS = 32
 LOAD_AT = 16
@@ -59,7 +60,9 @@ async def main() -> None:
     config = KVTierConfig(
         cpu_bytes_to_use=8 * row,
         host_tier=HostTierConfig(
-            bytes_to_use=host_rows * (row + 4096), instances=instances, peer_poll_s=0.005
+            bytes_to_use=Geometry.budget_for(row, host_rows, instances),
+            instances=instances,
+            peer_poll_s=0.005,
         ),
     )
     engine = await Engine.open(config, layout, kv)

@@ -23,7 +23,7 @@ from kvtier.errors import ConfigurationError, InvalidArgumentError
 from kvtier.layout import TensorSpec
 from kvtier.testing.tier import OpenTier, TierSuite
 from kvtier.tiers.base import Tier, Watched
-from kvtier.tiers.host import ChainedHostTier, HostTier, segment_path
+from kvtier.tiers.host import ChainedHostTier, Geometry, HostTier, segment_path
 
 BLOCK = 8192
 
@@ -102,7 +102,7 @@ def _config(tmp_path: Path, model: str, *, host_rows: int = 64, file: bool = Fal
     row = -(-layout.bytes_per_chunk // 4096) * 4096
     return KVTierConfig(
         cpu_bytes_to_use=8 * row,
-        host_tier=HostTierConfig(bytes_to_use=host_rows * (row + 4096), instances=2),
+        host_tier=HostTierConfig(bytes_to_use=Geometry.budget_for(row, host_rows, 2), instances=2),
         file_tier=(
             FileTierConfig(root=tmp_path / "file", bytes_to_use=64 * (row + 4096) + 4096)
             if file
@@ -178,8 +178,11 @@ async def test_an_instance_with_another_budget_is_refused_naming_both(tmp_path: 
         other = _config(tmp_path, model, host_rows=32)
         with pytest.raises(ConfigurationError) as err:
             await Engine.open(other, layout, _kv(2))
-        assert str(64 * (other.host_tier.bytes_to_use // 32)) in str(err.value)  # type: ignore[union-attr]
-        assert str(other.host_tier.bytes_to_use) in str(err.value)  # type: ignore[union-attr]
+        mine = _config(tmp_path, model, host_rows=64).host_tier
+        assert mine is not None
+        assert other.host_tier is not None
+        assert str(mine.bytes_to_use) in str(err.value)
+        assert str(other.host_tier.bytes_to_use) in str(err.value)
     finally:
         await a.aclose()
 
@@ -322,24 +325,28 @@ def test_a_bad_host_tier_field_is_named(field: str, value: object, says: str) ->
 
 
 def test_inspect_shm_reads_a_segment_without_joining_it(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     from kvtier.cli import main
 
     ns = uuid.uuid4().bytes
-    with HostTier.open(ns, BLOCK, 32 * (4096 + BLOCK), 2) as a:
+    # A directory of its own: whatever else sits in /dev/shm is not this test's.
+    budget = Geometry.budget_for(BLOCK, 32, 2)  # 32 rows beside the tables
+    with HostTier.open(ns, BLOCK, budget, 2, directory=str(tmp_path)) as a:
         assert (
             a.store_many([bytes([i + 1]) * 16 for i in range(5)], [memoryview(bytes(BLOCK))] * 5)
             == [True] * 5
         )
-        assert main(["inspect", "--shm", "--json"]) == 0
-        (mine,) = [r for r in json.loads(capsys.readouterr().out) if r["namespace"] == ns.hex()]
+        assert main(["inspect", "--shm", str(tmp_path), "--json"]) == 0
+        survey = json.loads(capsys.readouterr().out)
+        assert survey["damaged"] == []
+        (mine,) = [r for r in survey["segments"] if r["namespace"] == ns.hex()]
         assert mine["live_instances"] == 1
         assert mine["blocks"] == 5
         assert mine["rows_held"][a.slot] == 16
         assert mine["rows"] == 32
         assert a.statistics().live_instances == 1  # the inspection took no slot
-        assert main(["inspect", "--shm"]) == 0
+        assert main(["inspect", "--shm", str(tmp_path)]) == 0
         assert ns.hex() in capsys.readouterr().out
         # The all-zero key marks an empty row: refused, nothing stored lost.
         with pytest.raises(InvalidArgumentError, match="all-zero key"):

@@ -8,7 +8,10 @@ directly below each instance's CPU region. See ``docs/host-tier.md``.
 * ``_table``: the shared tables (rows, instances, leases) and the protocols on them;
 * ``_tier``: :class:`HostTier`, one instance's view: store, look up, load verified,
   adopt, and its :class:`HostTierStatistics`;
-* ``_report``: :func:`inspect_host_segments`, what each segment holds, read from outside;
+* ``_report``: :func:`survey_host_segments`, what each segment holds, read from outside,
+  and what else sits under the prefix (:class:`DamagedHostSegment`);
+* ``_gc``: :func:`reap_damaged_host_segments`, the damaged entries of this user removed;
+* ``_janitor``: the process that removes a segment every instance left;
 * ``_chained``: :class:`ChainedHostTier`, the host tier behind the chain's
   :class:`~kvtier.tiers.base.Tier` contract (what the tier factory opens).
 
@@ -19,19 +22,30 @@ cluster tiers' blocks do.
 from __future__ import annotations
 
 from kvtier.tiers.host._chained import ChainedHostTier
+from kvtier.tiers.host._gc import reap_damaged as reap_damaged_host_segments
 from kvtier.tiers.host._layout import SHM_DIR, Geometry, segment_path
 from kvtier.tiers.host._layout import reap as reap_host_segments
-from kvtier.tiers.host._report import HostSegmentReport, inspect_host_segments
+from kvtier.tiers.host._report import (
+    DamagedHostSegment,
+    HostSegmentReport,
+    HostSegmentSurvey,
+    inspect_host_segments,
+    survey_host_segments,
+)
 from kvtier.tiers.host._tier import HostTier, HostTierStatistics
 
 __all__ = [
     "SHM_DIR",
     "ChainedHostTier",
+    "DamagedHostSegment",
     "Geometry",
     "HostSegmentReport",
+    "HostSegmentSurvey",
     "HostTier",
     "HostTierStatistics",
     "inspect_host_segments",
+    "reap_damaged_host_segments",
     "reap_host_segments",
     "segment_path",
+    "survey_host_segments",
 ]

@@ -13,6 +13,18 @@ checksumming a batch of blocks never holds the event loop, and a completion
 resolves when its copy is done. Lookups read the core's key map from the
 loop without waiting: a dictionary lookup, a hint like every shared tier's
 (a load verifies).
+
+**A load asked for is not evicted by a store queued before it.** The chain
+promotes a block from this tier while this instance's own write-through
+stores may still be queued on the worker, and a store reuses the least
+recently used rows. A :meth:`ChainedHostTier.load` therefore registers its
+keys at once, on the loop, and until it has run no store evicts them (they
+are ``keep`` of :meth:`HostTier.store_many`): the order in which the chain
+decided (this block is on the host, read it) is the order the worker keeps.
+What is left is a store that had taken its rows before the load was asked
+for, its outcome (which tells the chain of the eviction) still on its way to
+the loop: that read misses, and the chain reads the block from the next tier
+below that holds it (:meth:`kvtier.chain.Chain.follow_ups`).
 """
 
 from __future__ import annotations
@@ -66,6 +78,8 @@ class ChainedHostTier(Tier):
         "_loop",
         "_pending",
         "_prefault",
+        "_reading",
+        "_reading_lock",
         "_removing",
         "_ticking",
         "_watchers",
@@ -84,6 +98,10 @@ class ChainedHostTier(Tier):
         self._pending: set[asyncio.Future[object]] = set()
         self._removing: set[bytes] = set()
         """Keys :meth:`remove` dropped whose removal the worker has not done yet."""
+        self._reading: dict[bytes, int] = {}
+        """Keys of loads asked for and not run yet, with how many loads want each:
+        no store evicts them meanwhile. Changed on the loop and on the worker."""
+        self._reading_lock = threading.Lock()
         # The peers' rows entered in this process's page tables in the background,
         # so that a first read of one does not pay its page faults (HostTier.prefault).
         self._prefault = threading.Thread(
@@ -181,7 +199,9 @@ class ChainedHostTier(Tier):
 
     def _store(self, keys: list[bytes], buffers: list[memoryview]) -> StoreResult:
         core = self._core
-        stored_flags = core.store_many(keys, buffers)
+        with self._reading_lock:
+            keep = frozenset(self._reading)  # loads asked for before this store runs
+        stored_flags = core.store_many(keys, buffers, keep=keep)
         stored, skipped = [], []
         failed: dict[bytes, KVTierError] = {}
         for key, ok in zip(keys, stored_flags, strict=True):
@@ -192,16 +212,45 @@ class ChainedHostTier(Tier):
             else:
                 failed[key] = CapacityError(
                     f"host tier: no row for block {key.hex()} (every row of this instance "
-                    "is being read by another)"
+                    "is being read, by another instance or by a load queued here)"
                 )
         return StoreResult(tuple(stored), tuple(skipped), failed, tuple(core.take_evicted()))
 
     def load(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> Completion[LoadResult]:
+        """Copy blocks into ``buffers``, verified (the Tier contract).
+
+        Notes
+        -----
+        The keys are registered before this returns: a store queued on the
+        tier's worker ahead of this load does not evict them (see the module).
+        """
         self._check_args(keys, buffers, writable=True)
         keys, buffers = list(keys), list(buffers)
-        return self._submit(lambda: self._load(keys, buffers))
+        self._want(keys, 1)
+        try:
+            return self._submit(lambda: self._load(keys, buffers))
+        except BaseException:
+            self._want(keys, -1)
+            raise
+
+    def _want(self, keys: list[bytes], n: int) -> None:
+        """Count ``n`` more (or fewer) loads wanting each of ``keys`` (loop or worker)."""
+        with self._reading_lock:
+            reading = self._reading
+            for key in keys:
+                left = reading.get(key, 0) + n
+                if left > 0:
+                    reading[key] = left
+                else:
+                    reading.pop(key, None)
 
     def _load(self, keys: list[bytes], buffers: list[memoryview]) -> LoadResult:
+        try:
+            return self._load_now(keys, buffers)
+        finally:
+            self._want(keys, -1)  # read (or failed): its rows may go to the next store
+
+    def _load_now(self, keys: list[bytes], buffers: list[memoryview]) -> LoadResult:
         core = self._core
         # A block of this instance's own rows fails only by damage (nobody
         # else writes them); a peer's can also be reused under the read.

@@ -7,7 +7,7 @@ import ctypes
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -476,13 +476,28 @@ class HostTier:
         """:meth:`store_many` of one block."""
         return self.store_many([key], [payload])[0]
 
-    def store_many(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+    def store_many(
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[memoryview],
+        *,
+        keep: Container[bytes] = frozenset(),
+    ) -> list[bool]:
         """Store each block in a row of this instance's; True for each one stored.
 
         A key that any instance on the host holds is skipped (False), and so is
         one for which no row is free or reusable (every row of this instance
-        is leased by a reader): the host keeps one copy of a block. A reused
-        row's old block is evicted (least recently stored or loaded first).
+        is leased by a reader, or holds a block of ``keep``): the host keeps
+        one copy of a block. A reused row's old block is evicted (least
+        recently stored or loaded first), never one of ``keep``.
+
+        Parameters
+        ----------
+        keep
+            Blocks of this instance's rows that must stay: loads of them are
+            queued behind this store (its caller promised them to a reader
+            before this store ran), so evicting one would turn a hit the
+            caller counted on into a miss.
 
         Raises
         ------
@@ -516,16 +531,18 @@ class HostTier:
             else:
                 batch.add(key)
                 todo.append(i)
-        rows = self._take_rows(len(todo))
+        rows = self._take_rows(len(todo), keep)
         self._no_room += len(todo) - len(rows)
         for i, (row, seq) in zip(todo, rows, strict=False):
             self._write(row, seq, keys[i], views[i])
             out[i] = True
         return out
 
-    def _take_rows(self, n: int) -> list[tuple[int, int]]:
-        """``n`` rows (or fewer) made odd for writing, none leased: ``(row, odd seq)``."""
+    def _take_rows(self, n: int, keep: Container[bytes] = frozenset()) -> list[tuple[int, int]]:
+        """``n`` rows (or fewer) made odd for writing, none leased nor holding a block
+        of ``keep``: ``(row, odd seq)``."""
         t, w = self._table, self._table.words
+        row_key = self._row_key
         got: list[tuple[int, int]] = []
         tried: set[int] = set()
         while len(got) < n:
@@ -543,7 +560,7 @@ class HostTier:
                 r = next(victims, -1)
                 if r < 0:
                     break
-                if r not in tried:
+                if r not in tried and (not keep or row_key[r] not in keep):
                     cands[r] = int(w[t.seq_word(r)])
             if not cands:
                 break
