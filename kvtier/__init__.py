@@ -1,7 +1,8 @@
 """kvtier: asyncio tiered storage for the KV cache of LLM serving.
 
-GPU KV tensors -> pinned, page-aligned CPU region -> O_DIRECT files (io_uring).
-Only the names in ``__all__`` are the public API.
+GPU KV tensors -> pinned, page-aligned CPU region -> a chain of tiers below it,
+each optional: host (shared memory, one per host) -> file (O_DIRECT, io_uring)
+-> cluster (Valkey/Redis). Only the names in ``__all__`` are the public API.
 """
 
 from __future__ import annotations

@@ -290,12 +290,12 @@ def test_sizes_refuse_what_is_not_whole_bytes(value: object, message: str) -> No
 
 def test_bench_block_sizes_take_the_same_rule() -> None:
     # `kvtier bench --block-size 2M` was 2,000,000 bytes, refused as no multiple of 4096.
-    from kvtier.cli import _size
+    from kvtier.cli._args import parse_size
 
-    assert _size("2M") == _size("2MiB") == 2 << 20
-    assert _size("256K") == 256 << 10
+    assert parse_size("2M") == parse_size("2MiB") == 2 << 20
+    assert parse_size("256K") == 256 << 10
     with pytest.raises(argparse.ArgumentTypeError, match="not a byte size"):
-        _size("1.5 B")
+        parse_size("1.5 B")
 
 
 @pytest.mark.parametrize(

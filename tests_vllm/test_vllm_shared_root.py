@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.tiers.file._index import IndexReader
+from kvtier.tiers.file import IndexReader
 from tests_vllm._harness import Result, generate, instance, prompts, read_statistics
 
 SHARED = 768

@@ -12,13 +12,14 @@ read-only, nothing here writes or renames. Whether a namespace is open is
 asked with a non-blocking shared ``flock`` on its ``lock``, under a shared
 lock on the root's ``kvtier.lock`` (held for that moment only, never during
 the slot scan), so that the question cannot make a tier that is opening fail
-(see :mod:`kvtier.tiers.file._root`). A slot the tier rewrites while we read it may
+(see :mod:`kvtier.tiers.file`, the root lock). A slot the tier rewrites while we read it may
 be seen half-written and reported torn or failing its checksum: the report
 describes the bytes as they were read.
 
 Directories of format version 1 (one file per block under ``blocks/``) are
 reported as legacy with a count of their files and are not read: the tier
-discards them when it opens.
+no longer deletes them (it rewrites ``namespace.json`` and leaves
+``blocks/``, counted in the budget); remove ``blocks/`` by hand.
 """
 
 from __future__ import annotations
@@ -38,9 +39,14 @@ from kvtier.tiers.block_format import (
     checksum,
     decode_header,
 )
-from kvtier.tiers.file._description import TIER_FORMAT_VERSION as FORMAT_VERSION
-from kvtier.tiers.file._description import Description, read_description
-from kvtier.tiers.file._root import NamespaceUsage, lock_root_blocking, scan_root
+from kvtier.tiers.file import TIER_FORMAT_VERSION as FORMAT_VERSION
+from kvtier.tiers.file import (
+    Description,
+    NamespaceUsage,
+    lock_root_blocking,
+    read_description,
+    scan_root,
+)
 
 __all__ = ["BadFile", "NamespaceReport", "inspect_root"]
 

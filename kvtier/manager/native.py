@@ -22,29 +22,29 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from kvtier.errors import BlockNotFoundError, BusyError, InvalidArgumentError, ProtocolError
 from kvtier.manager.events import BlockRemoved, BlockStored, ManagerEvent
 from kvtier.manager.plans import LoadPlan, ManagerStatistics, StorePlan
 from kvtier.manager.residency import ResidencyManager, check_construction, register_variant
 
-if TYPE_CHECKING:
-    from kvtier.manager._native import Core
-
 __all__ = ["NativePolicy", "NativeResidencyManager", "native_available", "native_wanted"]
 
 _log = logging.getLogger(__name__)
 
-_Core: type[Core] | None
+_Core: type[_native.Core] | None
 try:
-    from kvtier.manager._native import Core as _Core
-    from kvtier.manager._native import set_errors
+    # The compiled module whole, never a name from it: grimp reads .py files
+    # only, and would take a name from a module it cannot see for an import of
+    # the root package (tests/test_architecture.py says more).
+    from kvtier.manager import _native
 except ImportError as exc:  # not built (no compiler at install): the Python manager serves
     _Core = None
     _IMPORT_ERROR: str | None = str(exc)
 else:
-    set_errors(InvalidArgumentError, ProtocolError, BlockNotFoundError, BusyError)
+    _Core = _native.Core
+    _native.set_errors(InvalidArgumentError, ProtocolError, BlockNotFoundError, BusyError)
     _IMPORT_ERROR = None
 
 _EMPTY_PLAN = StorePlan((), (), (), ())
@@ -98,7 +98,7 @@ class NativePolicy:
 
     __slots__ = ("_core", "name")
 
-    def __init__(self, core: Core, name: Literal["lru", "arc"]) -> None:
+    def __init__(self, core: _native.Core, name: Literal["lru", "arc"]) -> None:
         self._core = core
         self.name = name
         """``"lru"`` or ``"arc"``."""

@@ -25,8 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier.tiers.block_format import HEADER_BYTES
-from kvtier.tiers.file._description import split_dir_name
-from kvtier.tiers.file._index import INDEX_FILE, IndexReader
+from kvtier.tiers.file import INDEX_FILE, IndexReader, split_dir_name
 
 __all__ = ["ChainSuite", "Front", "damage_on_disk", "payload", "store_in_steps"]
 

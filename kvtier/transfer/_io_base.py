@@ -44,8 +44,12 @@ ThenMany = Callable[[list[tuple[int, int, BaseException | None]]], None]
 """What :meth:`IOEngine.submit_many` calls on the loop: ``[(request index, bytes, error)]``."""
 
 try:
-    # A batch's checks in one call (see IOEngine.submit_many).
-    from kvtier.transfer._address import check_rw as _check_rw_c
+    # A batch's checks in one call (see IOEngine.submit_many). The compiled
+    # module is imported whole, never a name from it: grimp reads .py files
+    # only (tests/test_architecture.py says more).
+    from kvtier.transfer import _address
+
+    _check_rw_c = _address.check_rw
 except ImportError:  # not built
     _check_rw_c = None  # type: ignore[assignment]
 
@@ -104,7 +108,9 @@ def _buffer_address_py(buf: memoryview) -> int:
 
 try:
     # One buffer export in C: 0.05 us against 0.9 (ctypes) or 3.9 (NumPy, read-only).
-    from kvtier.transfer._address import address as _buffer_address_c
+    from kvtier.transfer import _address
+
+    _buffer_address_c = _address.address
 except ImportError:  # not built (no C compiler at install)
     _buffer_address_c = None  # type: ignore[assignment]
 

@@ -59,7 +59,8 @@ from kvtier.tiers.block_format import HEADER_BYTES
 from kvtier.tiers.file import FileTier
 from kvtier.tiers.file._description import partition_dir_name
 from kvtier.tiers.file._index import INDEX_FILE, IndexReader
-from kvtier.tiers.file._root import DATA_FILE, disk_usage
+from kvtier.tiers.file._root import DATA_FILE
+from kvtier.tiers.file._sizing import disk_usage
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
-import logging
 import mmap
 import os
 import stat
@@ -359,7 +358,7 @@ async def test_bad_buffers_refused_by_either_check(
 
     if not compiled:
         monkeypatch.setattr(file_tier, "_check_views_c", None)
-    elif file_tier._check_views_c is None:  # type: ignore[attr-defined]
+    elif file_tier._check_views_c is None:
         pytest.skip("the compiled helper kvtier.transfer._address is not built")
     tier = await open_tier()
     ks = keys(3)
@@ -1042,35 +1041,6 @@ async def test_evicted_slot_not_reused_comes_back_after_restart(
     assert dst.map[:] == pattern(old)
     assert again.statistics().quarantined == 0
     await faulty.aclose()
-
-
-async def test_legacy_format_1_directory_is_discarded(
-    open_tier: OpenTier, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    ns_dir = tmp_path / "tier" / NAMESPACE.hex()
-    k = keys(1)[0]
-    (ns_dir / "blocks" / k.hex()[:2]).mkdir(parents=True)
-    (ns_dir / "blocks" / k.hex()[:2] / k.hex()).write_bytes(make_slot(k, pattern(k), stored_at=1))
-    (ns_dir / "tmp").mkdir()
-    (ns_dir / "tmp" / "spare.1.2.tmp").write_bytes(b"s" * FILE)
-    desc = {"format": "kvtier file tier", "format_version": 1, "namespace": NAMESPACE.hex()}
-    (ns_dir / "namespace.json").write_text(json.dumps({**desc, "block_bytes": BLOCK}))
-    with caplog.at_level(logging.WARNING, logger="kvtier.file_tier"):
-        tier = await open_tier()
-    assert any("format 1" in r.getMessage() for r in caplog.records)
-    assert tier.path == ns_dir
-    assert not (ns_dir / "blocks").exists()
-    assert not list((ns_dir / "tmp").iterdir())
-    written = json.loads((ns_dir / "namespace.json").read_text())
-    assert written["format_version"] == TIER_FORMAT_VERSION == 2
-    assert written["block_bytes"] == BLOCK
-    assert written["slot_bytes"] == FILE
-    stats = tier.statistics()
-    assert stats.recovered_blocks == 0
-    assert k not in tier
-    assert data_file(tier).stat().st_size == 16 * FILE
-    assert (await tier.store([k], pattern_rows([k]).rows())).stored == (k,)
-    assert_disk_matches(tier, [k])
 
 
 async def test_second_open_without_room_is_refused(open_tier: OpenTier) -> None:

@@ -37,8 +37,8 @@ from kvtier.errors import CapacityError, ClosedError, TierIOError
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.testing.io_engine import FaultyEngine, aligned_buffer
 from kvtier.tiers.block_format import HEADER_BYTES
-from kvtier.tiers.file import FileTier
-from kvtier.tiers.file._root import lock_root_blocking, release_root
+from kvtier.tiers.file import FileTier, collect
+from kvtier.tiers.file._root_lock import lock_root_blocking, release_root
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import IOEngine, open_io_engine
 
@@ -563,6 +563,72 @@ async def test_reclaim_removes_only_what_kvtier_wrote(tmp_path: Path) -> None:
     assert (mislabeled / "blocks.dat").read_bytes() == b"b" * 100
     assert (fake / "blocks.dat").read_bytes() == b"b" * 100
     assert (root / ("a" * 32)).is_symlink()
+
+
+def format_1_leftovers(ns_dir: Path, key: bytes) -> Path:
+    """What format 1 (one file per block) left in a namespace directory: ``blocks/<fan>/<key>``."""
+    fan = ns_dir / "blocks" / key.hex()[:2]
+    fan.mkdir(parents=True)
+    (fan / key.hex()).write_bytes(b"v" * SLOT)
+    return fan / key.hex()
+
+
+async def test_a_format_1_directory_is_reused_and_what_it_left_counts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "tier"
+    ns_dir = namespace_dir(root)
+    ns_dir.mkdir(parents=True)
+    old = format_1_leftovers(ns_dir, keys(1)[0])
+    desc = {"format": "kvtier file tier", "format_version": 1, "namespace": ns_dir.name}
+    (ns_dir / "namespace.json").write_text(json.dumps({**desc, "block_bytes": BLOCK}))
+    limit = budget(16)
+    with caplog.at_level(logging.WARNING, logger="kvtier.file_tier"):
+        tier = await open_ns(root, nbytes=limit)
+    assert any("format 1" in r.getMessage() for r in caplog.records)
+    assert tier.path == ns_dir
+    written = json.loads((ns_dir / "namespace.json").read_text())
+    assert (written["format_version"], written["slot_bytes"]) == (2, SLOT)
+    assert tier.statistics().recovered_blocks == 0
+    # What format 1 left is not kvtier's any more: kept as it is, and counted.
+    assert old.read_bytes() == b"v" * SLOT
+    slots = tier.statistics().capacity_bytes // SLOT
+    assert 1 <= slots <= 16
+    await store(tier, keys(slots, salt=1))
+    assert usage(root) <= limit
+    await tier.aclose()
+    assert old.read_bytes() == b"v" * SLOT
+
+
+async def test_a_format_1_tree_outlives_a_reclaim_and_counts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "tier"
+    x = await open_ns(root, "x", budget(4))
+    await store(x, keys(2))
+    await x.aclose()
+    ns_x = namespace_dir(root, "x")
+    old = format_1_leftovers(ns_x, keys(1)[0])
+    limit = budget(8)
+    with caplog.at_level(logging.WARNING, logger="kvtier.file_tier"):
+        d = await open_ns(root, "d", limit)
+    # x was reclaimed for d: what kvtier wrote in it went; the old tree stayed, and counts.
+    assert any("reclaimed namespace " + ns_x.name in r.getMessage() for r in caplog.records)
+    assert any("kvtier did not write" in r.getMessage() for r in caplog.records)
+    assert not (ns_x / "blocks.dat").exists()
+    assert not (ns_x / "namespace.json").exists()
+    assert old.read_bytes() == b"v" * SLOT
+    slots = d.statistics().capacity_bytes // SLOT
+    assert slots >= 1
+    await store(d, keys(slots, salt=1))
+    assert usage(root) <= limit
+    await d.aclose()
+    # No namespace.json left: a directory kvtier does not recognize, never removed.
+    done = collect(root, unused_for=0)
+    assert ns_x.name not in {ns.name for ns in done.chosen}
+    (kept,) = [ns for ns in done.kept if ns.name == ns_x.name]
+    assert kept.problem == "no namespace.json"
+    assert old.read_bytes() == b"v" * SLOT
 
 
 _OPENER = textwrap.dedent(

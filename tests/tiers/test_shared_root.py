@@ -33,7 +33,7 @@ from kvtier.tiers.block_format import HEADER_BYTES
 from kvtier.tiers.file import FileTier, FileTierStatistics
 from kvtier.tiers.file._description import partition_dir_name, split_dir_name
 from kvtier.tiers.file._index import IndexReader, SlotIndex
-from kvtier.tiers.file._root import allocated, disk_usage
+from kvtier.tiers.file._sizing import allocated, disk_usage
 
 BLOCK = 8192
 POLL = 0.01

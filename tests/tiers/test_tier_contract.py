@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import pytest_asyncio
 
 from kvtier.config import FileTierConfig
@@ -67,15 +66,3 @@ class TestFileTier(TierSuite):
 
     def verification_failures(self, stats: Any) -> int:
         return int(stats.quarantined)
-
-
-def test_the_old_file_tier_module_is_a_deprecated_alias() -> None:
-    import importlib
-    import sys
-
-    sys.modules.pop("kvtier.tiers.file_tier", None)
-    with pytest.warns(DeprecationWarning, match=r"kvtier\.tiers\.file"):
-        old = importlib.import_module("kvtier.tiers.file_tier")
-    from kvtier.tiers.file import FileTier
-
-    assert old.FileTier is FileTier

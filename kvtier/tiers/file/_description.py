@@ -44,7 +44,8 @@ FORMAT_NAME = "kvtier file tier"
 """``format`` of every ``namespace.json`` kvtier writes."""
 TIER_FORMAT_VERSION = 2
 """Version of a namespace directory's layout (``namespace.json``): 2 is one
-slot file; 1 was one file per block under ``blocks/``, discarded at open."""
+slot file; 1 was one file per block under ``blocks/`` (an open rewrites its
+description and reuses the directory; what it left there is not read)."""
 LAYOUT_KIND = "slots"
 """``layout_kind`` of ``namespace.json`` for :data:`TIER_FORMAT_VERSION`."""
 MAX_BLOCK_BYTES = 1 << 40
@@ -176,8 +177,9 @@ def parse_description(path: Path, data: object) -> Description:
     if not isinstance(namespace, str) or not is_namespace_name(namespace):
         raise _field(path, "namespace", namespace, "is not 32 lowercase hex characters")
     if version < TIER_FORMAT_VERSION:
-        # A format 1 directory is discarded by the tier and not read by
-        # inspect: nothing more of it is read back.
+        # A format 1 directory's description is rewritten by the tier that
+        # opens it, and inspect does not read its blocks: nothing more of it
+        # is read back.
         return Description(path, version, namespace, None, None, _model(path, data), data)
     block = _int(path, data, "block_bytes", 1, MAX_BLOCK_BYTES)
     header = data.get("header_bytes", HEADER_BYTES)

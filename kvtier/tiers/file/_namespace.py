@@ -1,7 +1,7 @@
 """Opening a namespace directory of the file tier: its share of the root, and undoing it.
 
 :func:`prepare` runs in one worker thread under the root lock (see
-:mod:`kvtier.tiers.file._root`) and does every step of an open that touches the
+:mod:`kvtier.tiers.file._root_lock`) and does every step of an open that touches the
 disk before the tier exists: it checks the namespace (its lock, its
 ``namespace.json``), plans its share of the root's budget (reclaiming
 namespaces not open where needed), checks that the filesystem has the free
@@ -22,7 +22,6 @@ import json
 import logging
 import mmap
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +36,8 @@ from kvtier.errors import (
 )
 from kvtier.layout import KVLayout
 from kvtier.tiers.block_format import HEADER_BYTES
+from kvtier.tiers.file._budget import check_budget, plan_share
+from kvtier.tiers.file._delete import delete_namespace_files, trim_quarantine
 from kvtier.tiers.file._description import (
     DESCRIPTION_FILE,
     FORMAT_NAME,
@@ -49,24 +50,16 @@ from kvtier.tiers.file._description import (
     split_dir_name,
 )
 from kvtier.tiers.file._index import INDEX_FILE
-from kvtier.tiers.file._root import (
-    DATA_FILE,
-    NAMESPACE_LOCK,
-    RootUsage,
+from kvtier.tiers.file._root import DATA_FILE, NAMESPACE_LOCK, RootUsage, scan_root
+from kvtier.tiers.file._root_lock import lock_root_blocking, release_root
+from kvtier.tiers.file._sizing import (
     allocated,
-    check_budget,
     data_cost,
-    delete_namespace_files,
     disk_usage,
     file_allowance,
-    lock_root_blocking,
     metadata_estimate,
-    plan_share,
     quarantine_keep,
-    release_root,
-    scan_root,
     slots_within,
-    trim_quarantine,
 )
 
 __all__ = ["Prepared", "Undo", "prepare", "undo_under_root_lock", "write_file"]
@@ -89,7 +82,7 @@ class Undo:
     created_subdirs: list[str] = field(default_factory=list)
     """Subdirectories it created in a directory that existed."""
     wrote_description: bool = False
-    """It wrote ``namespace.json`` (there was none, or a format 1 one)."""
+    """It wrote ``namespace.json`` where there was none."""
     created_data: bool = False
     """It created ``blocks.dat``."""
     old_data_size: int | None = None
@@ -155,7 +148,7 @@ def undo_under_root_lock(root: Path, undo: Undo, *, created_root: bool = False) 
 
     Then, as after any failed open, a root left with nothing but its lock
     loses the lock file, and the root itself when the open created it (see
-    :func:`~kvtier.tiers.file._root.release_root`).
+    :func:`~kvtier.tiers.file._root_lock.release_root`).
     """
     fd = lock_root_blocking(root)
     if fd is None:  # only without create; kept for the type checker
@@ -409,16 +402,17 @@ def _lock(ns_dir: Path) -> int:
 
 
 def _check_description(ns_dir: Path, layout: KVLayout, block_bytes: int) -> Description | None:
-    """The namespace's valid description, or None when there is none (or it was format 1)."""
+    """The namespace's valid description, or None when there is none (or of an older format)."""
     desc = read_description(ns_dir / DESCRIPTION_FILE)
     if desc is not None and desc.format_version < TIER_FORMAT_VERSION:
+        # Its description is rewritten; what the old format left beside it is
+        # not kvtier's any more: it counts in the budget and is never removed.
         log.warning(
-            "file tier: %s was written in format %d (one file per block); its blocks are "
-            "discarded and the directory is reused as a slot file",
+            "file tier: %s was written in format %d; the directory is reused as a slot file "
+            "and what that format left in it is kept (it counts in bytes_to_use)",
             ns_dir,
             desc.format_version,
         )
-        shutil.rmtree(ns_dir / "blocks", ignore_errors=True)
         return None
     if desc is not None and (
         desc.block_bytes != block_bytes or desc.namespace != layout.namespace.hex()
@@ -447,7 +441,7 @@ def _check_partitions(usage: RootUsage, layout: KVLayout, block_bytes: int) -> N
         if parsed is None or parsed[0] != mine or desc is None:
             continue
         if desc.format_version < TIER_FORMAT_VERSION:
-            continue  # discarded by whoever opens it; nothing of it is read
+            continue  # rewritten by whoever opens it; nothing of it is read
         if desc.block_bytes != block_bytes or desc.namespace != mine:
             state = "open in a live file tier" if ns.open else "not open"
             raise NamespaceMismatchError(

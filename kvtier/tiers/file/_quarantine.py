@@ -2,7 +2,7 @@
 
 A block whose header or payload checksum is wrong is copied (header page and
 payload) to ``<namespace>/quarantine/`` for inspection, at most
-:func:`~kvtier.tiers.file._root.quarantine_keep` copies, the oldest deleted first.
+:func:`~kvtier.tiers.file._sizing.quarantine_keep` copies, the oldest deleted first.
 Separate from the I/O pipeline because it is a policy about the disk, not about
 moving blocks: the pipeline only says which block failed and why; what is kept,
 under which name and within which bound is decided here, and the copies are
@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kvtier.tiers.file._delete import trim_quarantine
 from kvtier.tiers.file._namespace import write_file
-from kvtier.tiers.file._root import quarantine_keep, trim_quarantine
+from kvtier.tiers.file._sizing import quarantine_keep
 from kvtier.tiers.file._worker import Worker
 
 __all__ = ["Quarantine"]

@@ -39,9 +39,10 @@ The tier is this facade over parts, each a module with one job, owned by
   engine (header pages, verification, fsync batching, counters);
 * :mod:`kvtier.tiers.file._quarantine`: bounded copies of blocks that failed;
 * :mod:`kvtier.tiers.file._worker`: the tier's one thread (checksums, copies);
-* :mod:`kvtier.tiers.file._root`, :mod:`kvtier.tiers.file._namespace`,
-  :mod:`kvtier.tiers.file._description`, :mod:`kvtier.tiers.block_format`: the root's
-  budget, the disk steps of an open, ``namespace.json``, the block header.
+* :mod:`kvtier.tiers.file._root` (and the modules it lists: sizing, the root lock,
+  the budget, deleting), :mod:`kvtier.tiers.file._namespace`,
+  :mod:`kvtier.tiers.file._description`, :mod:`kvtier.tiers.block_format`: the root and
+  its budget, the disk steps of an open, ``namespace.json``, the block header.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ from kvtier.tiers.file._peers import RESCAN_S, Peers
 from kvtier.tiers.file._pipeline import Pipeline
 from kvtier.tiers.file._quarantine import Quarantine
 from kvtier.tiers.file._recovery import Recovery
-from kvtier.tiers.file._root import data_cost, lock_root, metadata_estimate, release_root
+from kvtier.tiers.file._root_lock import lock_root, release_root
+from kvtier.tiers.file._sizing import data_cost, metadata_estimate
 from kvtier.tiers.file._slots import SlotFile, probe_range
 from kvtier.tiers.file._worker import Worker
 from kvtier.transfer._ring import MAX_FIXED_BYTES, SPLIT_MIN
@@ -99,7 +101,11 @@ __all__ = [
 ]
 
 try:
-    from kvtier.transfer._address import check_views as _check_views_c
+    # The compiled module whole, never a name from it: grimp reads .py files
+    # only (tests/test_architecture.py says more).
+    from kvtier.transfer import _address
+
+    _check_views_c = _address.check_views
 except ImportError:  # not built (no C compiler at install): the Python checks alone
     _check_views_c = None  # type: ignore[assignment]
 
@@ -211,7 +217,7 @@ class FileTier(Tier):
     Open with :meth:`open`; close with :meth:`aclose`. Every slot of a tier
     has ``4096 + block_bytes`` bytes, and ``blocks.dat`` has as many slots as
     the namespace's share of the root's ``bytes_to_use`` holds (see
-    :mod:`kvtier.tiers.file._root`), reserved at open. Methods are called from the
+    :mod:`kvtier.tiers.file._budget`), reserved at open. Methods are called from the
     event loop the tier was opened on.
 
     Notes
@@ -390,11 +396,12 @@ class FileTier(Tier):
         at any step or cancelled, leaves the disk as it found it: a slot file
         it created is removed, one it grew is truncated back to its old size
         (its blocks intact), a namespace directory it created is removed.
-        Cancelling waits for a disk step in progress to end. It then reads the header of every
-        slot that holds data (never-written ranges are skipped with
-        ``SEEK_DATA``): valid blocks become resident, oldest first, and
-        invalid headers (interrupted writes) are zeroed. A directory of
-        format version 1 (one file per block) is discarded with a warning.
+        Cancelling waits for a disk step in progress to end. It then reads
+        the header of every slot that holds data (never-written ranges are
+        skipped with ``SEEK_DATA``): valid blocks become resident, oldest
+        first, and invalid headers (interrupted writes) are zeroed. A
+        directory of an older format is reused with a warning; what that
+        format left in it stays and counts in ``bytes_to_use``.
 
         With ``config.queue_depth="auto"`` (and no ``io_engine`` given), the
         open first times the depths 1 to 32 (and on io_uring 64 for blocks of
@@ -410,93 +417,75 @@ class FileTier(Tier):
         :class:`~kvtier.errors.BusyError`) and ignores :meth:`remove`; see
         :meth:`wait_recovered`.
         """
-        if not 512 <= alignment <= HEADER_BYTES or alignment & (alignment - 1):
-            raise InvalidArgumentError(
-                f"alignment must be a power of two from 512 to {HEADER_BYTES}, got {alignment}"
-            )
-        if block_bytes <= 0 or block_bytes % alignment:
-            raise InvalidArgumentError(
-                f"block_bytes must be a positive multiple of {alignment}, got {block_bytes}"
-            )
-        file_bytes = HEADER_BYTES + block_bytes
-        if int(config.bytes_to_use) < file_bytes:
-            raise CapacityError(
-                f"bytes_to_use ({format_size(int(config.bytes_to_use))}) holds no slot of "
-                f"{format_size(file_bytes)}"
-            )
-        root = Path(config.root)
-        while True:
-            created_root = await asyncio.to_thread(_make_root, root)
-            try:
-                root_lock = await lock_root(root)
-                break
-            except TierIOError as exc:
-                if exc.errno != errno.ENOENT:
-                    raise
-                # Removed meanwhile by another process's refused open of the
-                # empty root it had made (see release_root): make it again.
-        try:
-            # One thread does every disk step of the open under the root lock,
-            # and undoes them itself when one fails.
-            prepared, cancelled = await _run_to_end(prepare, config, layout, block_bytes, alignment)
-            if cancelled:
-                # Cancelled while the thread ran: it finished, so undo what it did.
-                await _run_to_end(_abandon, prepared)
-                raise asyncio.CancelledError
-        except BaseException:
-            # Refused: a root the open left with nothing but its lock goes back
-            # to what it was (no lock file; no root if the open made it).
-            release_root(root, root_lock, created_root=created_root)
-            raise
-        os.close(root_lock)
-        undo = prepared.undo
-        engine: IOEngine | None = None
+        _check_arguments(config, block_bytes, alignment)
+        prepared, created_root = await _prepare_under_root_lock(
+            config, layout, block_bytes, alignment
+        )
+        engine = io_engine
         tier: FileTier | None = None
         try:
-            owns = io_engine is None
-            depth = config.queue_depth
-            if depth == "auto":
-                depth = AUTO_DEPTH_FALLBACK
-                if io_engine is None:
-                    probe = await _measure_depth(config, prepared, file_bytes, alignment)
-                    depth = probe.depth if probe is not None else depth
-            engine = io_engine or await open_io_engine(config.io_engine, queue_depth=depth)
-            manager = ResidencyManager(
-                prepared.slots,
-                policy=config.eviction_policy,
-                enable_events=enable_events,
-                tier="file",
-            )
-            tier = cls(
-                config=config,
-                layout=layout,
+            if engine is None:
+                engine = await _open_engine(config, prepared, HEADER_BYTES + block_bytes, alignment)
+            tier = cls._assemble(
+                config,
+                layout,
+                prepared,
+                engine,
+                owns_engine=io_engine is None,
                 block_bytes=block_bytes,
                 alignment=alignment,
-                engine=engine,
-                owns_engine=owns,
-                manager=manager,
-                ns_dir=undo.ns_dir,
-                ns_fd=prepared.ns_fd,
-                data_fd=prepared.data_fd,
-                lock_fd=prepared.lock_fd,
-                direct_fallback=prepared.fallback,
+                enable_events=enable_events,
             )
-            if config.recovery == "background":
-                tier._recovery.start(tier._loop)
-            else:
-                await tier._recovery.run()
+            await tier._recover_at_open()
         except BaseException:
             # Whatever failed (the engine, the recovery, a cancellation), the
             # disk goes back to what it was before this open.
-            if tier is not None:
-                await _finish(tier.aclose())
-            else:
-                _close_prepared(prepared)
-                if engine is not None and io_engine is None:
-                    await _finish(engine.aclose())
-            await _run_to_end(_undo, root, undo, created_root)
+            owned = engine if io_engine is None else None
+            await _unwind_open(Path(config.root), prepared, created_root, tier, owned)
             raise
         return tier
+
+    @classmethod
+    def _assemble(
+        cls,
+        config: FileTierConfig,
+        layout: KVLayout,
+        prepared: Prepared,
+        engine: IOEngine,
+        *,
+        owns_engine: bool,
+        block_bytes: int,
+        alignment: int,
+        enable_events: bool,
+    ) -> FileTier:
+        """The tier over a prepared namespace: its residency manager, then its parts."""
+        manager = ResidencyManager(
+            prepared.slots,
+            policy=config.eviction_policy,
+            enable_events=enable_events,
+            tier="file",
+        )
+        return cls(
+            config=config,
+            layout=layout,
+            block_bytes=block_bytes,
+            alignment=alignment,
+            engine=engine,
+            owns_engine=owns_engine,
+            manager=manager,
+            ns_dir=prepared.undo.ns_dir,
+            ns_fd=prepared.ns_fd,
+            data_fd=prepared.data_fd,
+            lock_fd=prepared.lock_fd,
+            direct_fallback=prepared.fallback,
+        )
+
+    async def _recover_at_open(self) -> None:
+        """Find the blocks of the slot file again: now, or from now on (``recovery``)."""
+        if self._config.recovery == "background":
+            self._recovery.start(self._loop)
+        else:
+            await self._recovery.run()
 
     @staticmethod
     def budget_for(slots: int, block_bytes: int, *, unit: int = 4096) -> int:
@@ -939,6 +928,98 @@ class FileTier(Tier):
 
 
 # -- opening helpers (run in worker threads where they touch the disk) ------------------
+
+
+def _check_arguments(config: FileTierConfig, block_bytes: int, alignment: int) -> None:
+    """Refuse what no root could hold, before anything is created (see :meth:`FileTier.open`)."""
+    if not 512 <= alignment <= HEADER_BYTES or alignment & (alignment - 1):
+        raise InvalidArgumentError(
+            f"alignment must be a power of two from 512 to {HEADER_BYTES}, got {alignment}"
+        )
+    if block_bytes <= 0 or block_bytes % alignment:
+        raise InvalidArgumentError(
+            f"block_bytes must be a positive multiple of {alignment}, got {block_bytes}"
+        )
+    file_bytes = HEADER_BYTES + block_bytes
+    if int(config.bytes_to_use) < file_bytes:
+        raise CapacityError(
+            f"bytes_to_use ({format_size(int(config.bytes_to_use))}) holds no slot of "
+            f"{format_size(file_bytes)}"
+        )
+
+
+async def _prepare_under_root_lock(
+    config: FileTierConfig, layout: KVLayout, block_bytes: int, alignment: int
+) -> tuple[Prepared, bool]:
+    """The namespace made ready and its share reserved, under the root lock.
+
+    Returns what :func:`~kvtier.tiers.file._namespace.prepare` opened and
+    whether this open created the root. The root lock is released on return;
+    a refused or cancelled open leaves the disk as it found it.
+    """
+    root = Path(config.root)
+    root_lock, created_root = await _make_and_lock_root(root)
+    try:
+        # One thread does every disk step of the open under the root lock,
+        # and undoes them itself when one fails.
+        prepared, cancelled = await _run_to_end(prepare, config, layout, block_bytes, alignment)
+        if cancelled:
+            # Cancelled while the thread ran: it finished, so undo what it did.
+            await _run_to_end(_abandon, prepared)
+            raise asyncio.CancelledError
+    except BaseException:
+        # Refused: a root the open left with nothing but its lock goes back
+        # to what it was (no lock file; no root if the open made it).
+        release_root(root, root_lock, created_root=created_root)
+        raise
+    os.close(root_lock)
+    return prepared, created_root
+
+
+async def _make_and_lock_root(root: Path) -> tuple[int, bool]:
+    """The root lock, held, of a root made if missing; and whether this call made the root."""
+    while True:
+        created_root = await asyncio.to_thread(_make_root, root)
+        try:
+            return await lock_root(root), created_root
+        except TierIOError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            # Removed meanwhile by another process's refused open of the
+            # empty root it had made (see release_root): make it again.
+
+
+async def _open_engine(
+    config: FileTierConfig, prepared: Prepared, slot_bytes: int, alignment: int
+) -> IOEngine:
+    """The tier's own I/O engine: at ``config.queue_depth``, or at the depth measured."""
+    depth = config.queue_depth
+    if depth == "auto":
+        probe = await _measure_depth(config, prepared, slot_bytes, alignment)
+        depth = probe.depth if probe is not None else AUTO_DEPTH_FALLBACK
+    return await open_io_engine(config.io_engine, queue_depth=depth)
+
+
+async def _unwind_open(
+    root: Path,
+    prepared: Prepared,
+    created_root: bool,
+    tier: FileTier | None,
+    engine: IOEngine | None,
+) -> None:
+    """Put everything back as it was before an open that failed after its disk steps.
+
+    ``tier`` is closed when it was made (with the engine it owns), else the
+    descriptors of ``prepared`` and ``engine`` (the open's own, None when the
+    caller gave one). Then, under the root lock, the disk is undone.
+    """
+    if tier is not None:
+        await _finish(tier.aclose())
+    else:
+        _close_prepared(prepared)
+        if engine is not None:
+            await _finish(engine.aclose())
+    await _run_to_end(_undo, root, prepared.undo, created_root)
 
 
 def _make_root(root: Path) -> bool:
