@@ -61,11 +61,12 @@ from kvtier.transfer._ring import (
     OP_FSYNC,
     OP_READV,
     OP_WRITEV,
+    SPLIT_MIN,
     Ring,
 )
 from kvtier.transfer.completion import Completion
 
-__all__ = ["UringEngine"]
+__all__ = ["MAX_FIXED_BYTES", "SPLIT_MIN", "UringEngine"]
 
 _READ, _WRITE, _FSYNC = 0, 1, 2
 _OPCODE = (OP_READV, OP_WRITEV, OP_FSYNC)

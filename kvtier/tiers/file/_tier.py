@@ -81,7 +81,6 @@ from kvtier.tiers.file._root_lock import lock_root, release_root
 from kvtier.tiers.file._sizing import data_cost, metadata_estimate
 from kvtier.tiers.file._slots import SlotFile, probe_range
 from kvtier.tiers.file._worker import Worker
-from kvtier.transfer._ring import MAX_FIXED_BYTES, SPLIT_MIN
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.io_engine import (
     DepthProbe,
@@ -90,6 +89,7 @@ from kvtier.transfer.io_engine import (
     open_io_engine,
     probe_depths,
 )
+from kvtier.transfer.uring import MAX_FIXED_BYTES, SPLIT_MIN
 
 __all__ = [
     "LAYOUT_KIND",
@@ -686,7 +686,7 @@ class FileTier(Tier):
         fixed buffers; the tier's header pages are registered with it). At
         2 MiB that pinning was about a fifth of the tier's CPU per GB read
         without verification. Only blocks of at least
-        :data:`~kvtier.transfer._ring.SPLIT_MIN` (1 MiB) bytes use it: below,
+        :data:`~kvtier.transfer.uring.SPLIT_MIN` (1 MiB) bytes use it: below,
         the separate entry the header then needs costs more than the pinning,
         so a tier of smaller blocks registers nothing. Call it once the
         memory is mapped; a later call replaces the buffers, an empty list
