@@ -1,7 +1,7 @@
 """The thread engine's own machinery: outcomes coalesced per drain, errors, closing, real I/O.
 
 What every engine must do is checked by the conformance suite
-(``tests/io/test_io_engines.py``) and the submit / submit_many tests; these
+(``tests/transfer/test_io_engines.py``) and the submit / submit_many tests; these
 look at what only the thread pool has: workers that go on taking queued
 requests while the loop is busy, outcomes handed back in bursts, and
 threads that exit on close.

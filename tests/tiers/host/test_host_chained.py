@@ -281,7 +281,7 @@ def test_gc_lists_and_removes_a_host_segment_every_instance_left(
 
 # -- configuration -----------------------------------------------------------------------------
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "host-tier.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "host-tier.md"
 
 
 def test_the_documented_configuration_is_what_it_says(tmp_path: Path) -> None:

@@ -31,8 +31,8 @@ from kvtier.metrics import (
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
-MARK = "<!-- tested: tests/test_metrics.py -->"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+MARK = "<!-- tested: tests/metrics/test_metrics.py -->"
 CPU_ROWS = 4
 
 
@@ -238,7 +238,7 @@ def test_delta_reporter_sends_increases_and_changed_gauges() -> None:
 
 
 def test_the_grafana_dashboard_queries_only_kvtiers_metrics() -> None:
-    path = Path(__file__).resolve().parents[1] / "examples" / "grafana-kvtier.json"
+    path = Path(__file__).resolve().parents[2] / "examples" / "grafana-kvtier.json"
     dashboard = json.loads(path.read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     used = {re.sub(r"_bucket$", "", n) for e in exprs for n in re.findall(r"kvtier_\w+", e)}

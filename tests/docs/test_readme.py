@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 BLOCKS = re.findall(
     r"^```python\n(.*?)^```\n(?:\nIt prints:\n\n```text\n(.*?)^```\n)?",
     README.read_text(),

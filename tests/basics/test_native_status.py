@@ -14,7 +14,7 @@ import pytest
 
 from kvtier import _native_status
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A process in which one extension cannot be imported, as where no compiler built it.
 BLOCKED = """

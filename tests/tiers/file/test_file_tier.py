@@ -1044,7 +1044,7 @@ async def test_evicted_slot_not_reused_comes_back_after_restart(
 
 
 async def test_second_open_without_room_is_refused(open_tier: OpenTier) -> None:
-    # A second live tier opens a partition of its own (tests/tiers/test_shared_root.py);
+    # A second live tier opens a partition of its own (tests/tiers/file/test_shared_root.py);
     # with the whole budget held by the first (instances=1), none fits.
     tier = await open_tier()
     with pytest.raises(CapacityError, match="instances"):
@@ -1369,7 +1369,7 @@ async def test_full_filesystem_fails_at_open_never_mid_store(
     open_tier: OpenTier, small_fs: Path, fill_filesystem: Callable[[Path], int]
 ) -> None:
     # A budget the filesystem cannot hold fails at open, before anything is
-    # written (tests/tiers/test_root_budget.py checks that closely).
+    # written (tests/tiers/file/test_root_budget.py checks that closely).
     with pytest.raises(CapacityError, match="KiB free; the file tier needs"):
         await open_tier(root=small_fs / "tier", blocks=64, direct_io="auto")
     # One that fits is reserved whole: once the rest of the disk is filled by

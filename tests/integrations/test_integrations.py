@@ -10,7 +10,7 @@ import pytest
 from kvtier.errors import ConfigurationError
 from kvtier.integrations.vllm.settings import parse_extra_config
 
-PACKAGE = Path(__file__).resolve().parents[1] / "kvtier"
+PACKAGE = Path(__file__).resolve().parents[2] / "kvtier"
 INTEGRATIONS = PACKAGE / "integrations"
 
 
