@@ -7,6 +7,7 @@ each optional: host (shared memory, one per host) -> file (O_DIRECT, io_uring)
 
 from __future__ import annotations
 
+from kvtier.chain import FrontStatistics, TierReport
 from kvtier.config import ClusterTierConfig, FileTierConfig, KVTierConfig
 from kvtier.engine import Engine, StoreSummary
 from kvtier.errors import (
@@ -31,8 +32,7 @@ from kvtier.errors import (
     WorkerLostError,
 )
 from kvtier.keys import KEY_BYTES, chain_keys
-from kvtier.layout import KVLayout, TensorSpec
-from kvtier.runtime import FrontStatistics, TierReport
+from kvtier.layout import KVEncoding, KVLayout, TensorSpec
 from kvtier.workers import Worker, WorkerGroup
 
 __version__ = "0.1.0"
@@ -52,6 +52,7 @@ __all__ = [
     "FrontStatistics",
     "IntegrityError",
     "InvalidArgumentError",
+    "KVEncoding",
     "KVLayout",
     "KVTierConfig",
     "KVTierError",

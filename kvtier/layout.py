@@ -10,7 +10,9 @@ supported:
 Tensors may belong to several KV cache groups (hybrid models); each group gets
 its own device block ids at transfer time. The layout's :attr:`KVLayout.namespace`
 salts every block key, so a key made under one model, dtype, shape, block size
-or parallel layout never hits under another.
+or parallel layout never hits under another; a :class:`KVEncoding` adds what the
+shapes do not tell (the attention backend's packing, the page order, a quantized
+cache's format and scales), so that bytes of one meaning are never read as another.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import LayoutError
@@ -27,7 +29,7 @@ from kvtier.errors import LayoutError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KVLayout", "TensorSpec"]
+__all__ = ["KVEncoding", "KVLayout", "TensorSpec"]
 
 _FINGERPRINT_VERSION = 1
 
@@ -67,6 +69,65 @@ class TensorSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class KVEncoding:
+    """What a block's bytes mean beyond the shapes and dtypes of its tensors.
+
+    Two caches of the same shapes may hold other values in the same bytes: an
+    attention backend packs K and V, heads and tokens in a page in its own
+    order; an engine release may change that order under the same shapes
+    (LMCache #4463: silent wrong KV after a vLLM upgrade); a one-byte cache is
+    ``fp8_e4m3`` or ``fp8_e5m2`` with scales of some origin. A layout that
+    carries an encoding (:attr:`KVLayout.encoding`) puts it in its namespace,
+    so bytes written under one encoding are never read under another: a miss,
+    never wrong KV. Equal encodings give equal namespaces, in any process.
+
+    Every field is the engine's own name for the fact, or None where it does
+    not apply or the engine does not say; say what you know, and keep it
+    stable across restarts (no process ids, no addresses, no paths), or a
+    restart finds nothing.
+
+    Raises
+    ------
+    LayoutError
+        For a field that is neither None nor a non-empty string.
+    """
+
+    format_version: str | None = None
+    """The engine's version of its KV format, where it has nothing finer: the
+    release whose code decides the bytes (vLLM's front gives ``"vllm 0.32"``,
+    major.minor, so a patch upgrade keeps the cache)."""
+    attention_backend: str | None = None
+    """The attention backend that writes and reads the pages (``"FLASH_ATTN"``,
+    ``"FLASHINFER"``): backends pack K/V, heads and tokens differently."""
+    kv_cache_layout: str | None = None
+    """The physical order of a page as the engine names it (vLLM's resolved
+    ``KVCacheLayout``: ``"LBNHC"``, ``"LBHNC"``; the older ``"NHD"``/``"HND"``)."""
+    cache_dtype: str | None = None
+    """The KV cache's element type as the engine names it (``"bfloat16"``,
+    ``"fp8_e4m3"``, ``"fp8_e5m2"``): tensors viewed as bytes do not tell it."""
+    scales: str | None = None
+    """Where a quantized cache's scales come from and how they are applied
+    (``"per-tensor from the model"``): values stored under one scale are
+    wrong under another."""
+    sharding: str | None = None
+    """How the KV is split over the ranks that share a row, beyond their number
+    (vLLM's front: ``"tp2 pp1 pcp1 dcp1"``): the same bytes per rank hold other
+    heads or layers under another split."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            name, value = f.name, getattr(self, f.name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise LayoutError(
+                    f"KVEncoding.{name} must be None or a non-empty string, got {value!r}"
+                )
+
+    def describe(self) -> dict[str, str | None]:
+        """Every field by name (None included), as it enters the namespace."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
 class KVLayout:
     """The serving engine's KV tensors of one worker, and how blocks are grouped.
 
@@ -96,6 +157,11 @@ class KVLayout:
     """Tensor-parallel world size (workers sharing each row)."""
     device: str = "cpu"
     """Device of the tensors (``"cpu"``, ``"cuda:0"``)."""
+    encoding: KVEncoding | None = None
+    """What the bytes mean beyond the tensors' shapes and dtypes (the attention
+    backend, the page order, a quantized cache's format and scales): part of
+    the namespace when set. None (the default) leaves the namespace as it was
+    before encodings existed, so a cache written without one is found again."""
     _offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +177,10 @@ class KVLayout:
                 raise LayoutError(f"{name} must be an int >= {low}, got {value!r}")
         if self.tp_rank >= self.tp_size:
             raise LayoutError(f"tp_rank {self.tp_rank} is not below tp_size {self.tp_size}")
+        if self.encoding is not None and not isinstance(self.encoding, KVEncoding):
+            raise LayoutError(
+                f"encoding must be a KVEncoding or None, got {type(self.encoding).__name__}"
+            )
         names = [t.name for t in self.tensors]
         if len(set(names)) != len(names):
             raise LayoutError(f"tensor names must be unique, got {names}")
@@ -161,6 +231,7 @@ class KVLayout:
         groups: Sequence[int] | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        encoding: KVEncoding | None = None,
     ) -> KVLayout:
         """Describe live KV tensors, detecting block-first or K/V-first per tensor.
 
@@ -168,7 +239,7 @@ class KVLayout:
         ----------
         tensors
             The KV tensors (a list, or a mapping from name to tensor).
-        model_id, block_tokens, blocks_per_chunk, tp_rank, tp_size
+        model_id, block_tokens, blocks_per_chunk, tp_rank, tp_size, encoding
             As the fields of the same names.
         num_blocks
             Device blocks per tensor. Resolves shapes that read both ways, such as
@@ -231,6 +302,7 @@ class KVLayout:
             tp_rank=tp_rank,
             tp_size=tp_size,
             device=devices.pop(),
+            encoding=encoding,
         )
 
     # -- derived sizes ------------------------------------------------------------------
@@ -290,6 +362,9 @@ class KVLayout:
                 for t in self.tensors
             ],
         }
+        if self.encoding is not None:
+            # Only when set: a layout without one keeps the digest it always had.
+            desc["encoding"] = self.encoding.describe()
         if include_rank:
             desc["tp_rank"] = self.tp_rank
         return desc

@@ -48,8 +48,8 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import CollectorRegistry
 
+    from kvtier.chain import FrontStatistics, TierReport
     from kvtier.engine import Engine
-    from kvtier.runtime import FrontStatistics, TierReport
 
 __all__ = [
     "DEADLINE_MISSES",
@@ -359,7 +359,7 @@ _KIND = {spec.name: spec.kind for spec in METRICS}
 def tier_metrics(
     report: TierReport[Any], *, row_bytes: int, store_refusals: int | None = None
 ) -> TierMetrics:
-    """One tier's figures, from its :class:`~kvtier.runtime.TierReport`.
+    """One tier's figures, from its :class:`~kvtier.chain.TierReport`.
 
     Parameters
     ----------
@@ -546,7 +546,11 @@ class DeltaReporter:
         """``job`` ended: observe its duration in ``metric`` (a histogram) for ``tier``."""
         start = self._started.pop(job, None)
         if start is not None:
-            self._durations.append((metric.name, tier, time.perf_counter() - start))
+            self.observe(metric, tier, time.perf_counter() - start)
+
+    def observe(self, metric: MetricSpec, tier: str, seconds: float) -> None:
+        """A job of ``tier`` took ``seconds`` (timed elsewhere): observe it in ``metric``."""
+        self._durations.append((metric.name, tier, seconds))
 
     def report(self, values: Samples, sink: StatsSink) -> None:
         """Send what changed in ``values`` since the last call, and the durations since."""

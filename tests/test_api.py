@@ -18,6 +18,7 @@ PUBLIC = {
     "FrontStatistics",
     "IntegrityError",
     "InvalidArgumentError",
+    "KVEncoding",
     "KVLayout",
     "KVTierConfig",
     "KVTierError",

@@ -140,6 +140,82 @@ def offloading_config(
     )
 
 
+def offloading_config_of_vllm(
+    model: Path,
+    *,
+    cache_dtype: str = "auto",
+    kv_cache_layout: str = "LBNHC",
+    extra: Mapping[str, Any] | None = None,
+    rows: int = 8,
+) -> Any:
+    """vLLM's ``OffloadingConfig`` for the tiny Llama, built by vLLM from a real ``VllmConfig``.
+
+    vLLM's own steps without its processes: the engine core's KV cache config
+    (``get_kv_cache_configs``) from the specs the model's attention layers
+    publish, then the connector's translation (``build_offloading_config``).
+    ``kv_cache_layout`` stands for the attention backend's choice: the engine
+    core resolves it from what the workers' backends support and records it in
+    ``cache_config.kv_cache_layout``, which vLLM lets tests preset (its CPU
+    build has one backend).
+    """
+    import pytest
+    import torch
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        build_offloading_config,
+    )
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    if current_platform.is_unspecified():
+        pytest.skip("no vLLM platform to build a VllmConfig on (0.33's Python without its engine)")
+
+    # The tiny Llama's layers: 2 KV heads of 64, one byte per element when quantized.
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.float32 if cache_dtype == "auto" else torch.uint8,
+    )
+    layers = {f"model.layers.{i}.self_attn.attn": spec for i in range(4)}
+    row_bytes = len(layers) * spec.page_size_bytes
+    cache = CacheConfig(block_size=BLOCK_SIZE, cache_dtype=cache_dtype)
+    cache.kv_cache_layout = kv_cache_layout
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(
+            model=str(model), dtype="float32", skip_tokenizer_init=True, max_model_len=4096
+        ),
+        cache_config=cache,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            engine_id=f"test-{uuid.uuid4()}",
+            kv_connector_extra_config={
+                **SPEC,
+                "cpu_bytes_to_use": rows * row_bytes,
+                **(extra or {}),
+            },
+        ),
+    )
+    (kv_cache_config,) = _kv_cache_configs(vllm_config, layers, 64 * row_bytes)
+    return build_offloading_config(vllm_config, kv_cache_config)
+
+
+def _kv_cache_configs(vllm_config: Any, layers: Mapping[str, Any], memory: int) -> Any:
+    """The engine core's KV cache configs of one worker, as its vLLM (0.32 or 0.33) makes them."""
+    try:  # 0.33: the groups of the whole model first, then each worker's config
+        from vllm.v1.core.kv_cache_planning import (
+            get_global_kv_cache_groups,
+            get_kv_cache_configs,
+        )
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+        return get_kv_cache_configs(vllm_config, [dict(layers)], [memory])
+    groups = get_global_kv_cache_groups(vllm_config, [dict(layers)])
+    return get_kv_cache_configs(vllm_config, [dict(layers)], [memory], groups)
+
+
 @contextlib.contextmanager
 def serve(model: Path, extra: Mapping[str, Any] | None, log: Path) -> Iterator[Served]:
     """``vllm serve`` of the tiny model (kvtier's command for vLLM's CPU build) on a free

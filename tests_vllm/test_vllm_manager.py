@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvtier.errors import ConfigurationError
-from tests_vllm._harness import offloading_config
+from tests_vllm._harness import offloading_config, offloading_config_of_vllm
 
 
 def _manager(events: bool) -> Iterator[Any]:
@@ -203,6 +203,131 @@ def test_the_namespace_follows_the_model_not_its_path(model_dir: Path, tmp_path:
     assert namespace(model_dir) == namespace(link)
     assert namespace(model_dir, model_revision="v1") == namespace(tmp_path, model_revision="v1")
     assert namespace(model_dir) != namespace(model_dir, model_revision="v1")
+
+
+def _namespace_of(config: Any) -> bytes:
+    from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
+
+    return bytes(KVTierOffloadingSpec(config).layout.namespace)
+
+
+def test_the_namespace_follows_what_the_bytes_mean(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built by vLLM from a real VllmConfig: equal shapes, another meaning, another namespace."""
+    import vllm
+
+    from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
+
+    monkeypatch.setattr(vllm, "__version__", "0.32.0")
+    fp8 = offloading_config_of_vllm(model_dir, cache_dtype="fp8_e4m3")
+    base = _namespace_of(fp8)
+    # A restart (another engine id), and a patch upgrade of vLLM: the same cache.
+    assert _namespace_of(offloading_config_of_vllm(model_dir, cache_dtype="fp8_e4m3")) == base
+    monkeypatch.setattr(vllm, "__version__", "0.32.1")
+    assert _namespace_of(fp8) == base
+    others = {
+        # The other fp8: one byte per element too, other values in it.
+        "fp8_e5m2": offloading_config_of_vllm(model_dir, cache_dtype="fp8_e5m2"),
+        # The page order another attention backend asks for.
+        "LBHNC": offloading_config_of_vllm(
+            model_dir, cache_dtype="fp8_e4m3", kv_cache_layout="LBHNC"
+        ),
+    }
+    for config in others.values():
+        assert config.worker_kv_bytes_per_block == fp8.worker_kv_bytes_per_block
+    namespaces = {name: _namespace_of(config) for name, config in others.items()}
+    # vLLM's next release, same shapes (LMCache #4463).
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    namespaces["0.33"] = _namespace_of(fp8)
+    assert len({base, *namespaces.values()}) == 1 + len(namespaces), namespaces
+    # What the namespace took, as the file tier records it (`kvtier inspect --json`).
+    encoding = KVTierOffloadingSpec(fp8).layout.describe()["encoding"]
+    assert encoding == {
+        "format_version": "vllm 0.33",
+        "attention_backend": None,
+        "kv_cache_layout": "LBNHC",
+        "cache_dtype": "fp8_e4m3",
+        "scales": "per-tensor from the model",
+        "sharding": "tp1 pp1 pcp1 dcp1",
+    }
+
+
+def test_the_namespace_names_the_vllm_release_it_runs_under() -> None:
+    """Under each interface ``make test-vllm`` runs, the release that decides the bytes."""
+    from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
+
+    encoding = KVTierOffloadingSpec(offloading_config()).layout.encoding
+    assert encoding is not None
+    wanted = os.environ.get("KVTIER_VLLM_INTERFACE", "0.32")
+    assert encoding.format_version == f"vllm {wanted}"
+    assert (encoding.cache_dtype, encoding.sharding) == ("float32", "tp1 pp1 pcp1 dcp1")
+
+
+def _lookup(manager: Any, keys: list[Any]) -> list[Any]:
+    """vLLM's answers for ``keys``, asked again each step while kvtier says RETRY."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    ctx = ReqContext(req_id="lookup")
+    answers = []
+    for key in keys:
+        deadline = time.monotonic() + 10
+        while (answer := manager.lookup(key, ctx)) is LookupResult.RETRY:
+            assert time.monotonic() < deadline
+            manager.on_schedule_end(None)
+            time.sleep(0.01)
+        answers.append(answer)
+    return answers
+
+
+def test_a_root_written_under_one_meaning_is_a_miss_under_another(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks on file survive a restart of the same configuration, never another meaning."""
+    import vllm
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
+
+    extra = {"file_tier": {"root": str(tmp_path / "kv"), "bytes_to_use": "64MiB"}}
+
+    def manager(version: str, cache_dtype: str = "fp8_e4m3") -> Any:
+        monkeypatch.setattr(vllm, "__version__", version)
+        config = offloading_config_of_vllm(model_dir, cache_dtype=cache_dtype, extra=extra)
+        return KVTierOffloadingSpec(config).get_manager()
+
+    def write() -> list[Any]:
+        writer = manager("0.32.0")
+        try:
+            keys = _store(writer, 3)
+            deadline = time.monotonic() + 10
+            # Written through, or already there (recovered at open).
+            while writer.statistics().tiers["file"].statistics.blocks < 3:
+                assert time.monotonic() < deadline
+                writer.on_schedule_end(None)
+                time.sleep(0.01)
+            return keys
+        finally:
+            writer.shutdown()
+
+    keys = write()
+    # The same configuration restarted after a patch upgrade finds every block.
+    again = manager("0.32.1")
+    try:
+        assert _lookup(again, keys) == [LookupResult.HIT] * 3
+        assert again.statistics().tiers["file"].lookup_hits == 3
+    finally:
+        again.shutdown()
+    # Another vLLM release, another fp8: the same bytes per block, never read.
+    for version, dtype in (("0.33.0", "fp8_e4m3"), ("0.32.1", "fp8_e5m2")):
+        # Written again each time: an open of another namespace may reclaim this one.
+        assert write() == keys
+        other = manager(version, dtype)
+        try:
+            assert _lookup(other, keys) == [LookupResult.MISS] * 3, (version, dtype)
+            assert other.statistics().tiers["file"].lookup_hits == 0
+        finally:
+            other.shutdown()
 
 
 def test_config_info_fills_the_labels_the_spec_declares(tmp_path: Path) -> None:

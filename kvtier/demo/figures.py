@@ -1,6 +1,6 @@
 """What the demo takes from the engine's statistics.
 
-Every field of :class:`~kvtier.runtime.FrontStatistics` that the demo reads is
+Every field of :class:`~kvtier.chain.FrontStatistics` that the demo reads is
 read in :func:`read_statistics`, and nowhere else: the serving loop
 (:mod:`kvtier.demo.serving`) takes its figures here, and the report
 (:mod:`kvtier.demo.report`) prints them.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtier.chain import FrontStatistics, TierReport
 from kvtier.manager import ManagerStatistics
-from kvtier.runtime import FrontStatistics, TierReport
 from kvtier.tiers.file import FileTierStatistics
 
 __all__ = ["TierFigures", "read_statistics"]

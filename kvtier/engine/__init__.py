@@ -4,7 +4,7 @@ It is the asyncio front of the chain of tiers (:class:`~kvtier.chain.Chain`,
 the same one the vLLM front drives: which key lives where, which copy is
 ready, which row is pinned, the cascade), and of the data plane: the device
 copies it runs itself, the tiers below the CPU region (file, cluster) through
-the front runtime (:class:`~kvtier.runtime.Runtime`, inline: the chain's
+the front runtime (:class:`~kvtier.chain.Runtime`, inline: the chain's
 intents carried out and their outcomes settled on this loop). Decisions are made
 synchronously, before the first ``await`` of a call, so a ``lookup`` followed
 at once by a ``load`` cannot lose a block in between; the bytes move afterwards,

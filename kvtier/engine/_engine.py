@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, Self
 
+from kvtier.chain import FrontStatistics
 from kvtier.config import KVTierConfig
 from kvtier.engine._jobs import BlockIds
 from kvtier.engine._load import _Loading
@@ -15,7 +16,6 @@ from kvtier.engine._store import StoreSummary, _Storing
 from kvtier.errors import InvalidArgumentError
 from kvtier.keys import check_keys
 from kvtier.layout import KVLayout
-from kvtier.runtime import FrontStatistics
 from kvtier.tiers.base import Refreshable
 from kvtier.transfer.device import DeviceTransfer
 from kvtier.transfer.io_engine import IOEngine
@@ -443,8 +443,5 @@ class Engine(_Opening, _Storing, _Loading):
     def statistics(self) -> FrontStatistics:
         """A consistent snapshot of every tier's state and traffic, and the engine's counters."""
         return self._runtime.statistics(
-            self._counts,
-            [link.tier.statistics() for link in self._links],
-            cpu_busy=self._cpu_busy,
-            in_flight=len(self._pending),
+            self._counts, cpu_busy=self._cpu_busy, in_flight=len(self._pending)
         )

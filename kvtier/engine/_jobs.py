@@ -33,7 +33,7 @@ _Starter = Callable[[], Completion[None]]
 
 @dataclass(slots=True, eq=False)
 class _Link:
-    """One tier of the chain below the CPU region (its role: ``runtime.chain_for``)."""
+    """One tier of the chain below the CPU region (its role: :func:`kvtier.chain.chain_for`)."""
 
     name: str
     """``file`` or ``cluster``: the name of its statistics."""

@@ -18,8 +18,9 @@ class _Loading(_State):
     """Loading (:meth:`~kvtier.engine.Engine.load`) and promotions' reads."""
 
     def _read_done(self, done: ReadDone) -> None:
-        """A promotion's read ended: the chain made its blocks ready, read the others
-        from a tier below (:meth:`Chain.follow_ups`), or found them misses."""
+        """A promotion's read ended (its settlement hands the outcome on as the chain
+        settles it): the chain made its blocks ready, read the others from a tier
+        below (:meth:`~kvtier.chain.Chain.follow_ups`), or found them misses."""
         read = done.intent
         good = [k for k in read.keys if k in done.loaded]
         job = self._read_jobs.pop(read.seq, None)
@@ -39,6 +40,7 @@ class _Loading(_State):
         moved = set(again.keys)
         nxt = _Job(again.keys, Completion())
         self._read_jobs[again.seq] = nxt
+        self._runtime.expect(again).then(self._read_done)
         for k in again.keys:
             self._inflight[k] = nxt
         self._track(nxt.done)
@@ -140,7 +142,7 @@ class _Loading(_State):
         if st.todo:
             # Every row that is not free is held by a copy, a promotion, a store
             # or a tier write in flight; the first to end may free one.
-            running += [c for c in (*self._writes, *self._pending) if not c.done()]
+            running += [c for c in (*self._runtime.writes(), *self._pending) if not c.done()]
         if running:
             await _wait(running, first=True)
         elif st.todo:  # pragma: no cover - a row held by nothing running is a leaked pin
@@ -156,6 +158,7 @@ class _Loading(_State):
             for read in self._chain.promote(todo):
                 job = _Job(read.keys, Completion())
                 self._read_jobs[read.seq] = job
+                self._runtime.expect(read).then(self._read_done)
                 for k in read.keys:
                     self._inflight[k] = job
                 self._track(job.done)

@@ -159,7 +159,8 @@ class _Opening(_State):
                 "they are lost with the CPU region",
                 left,
             )
-        late = [c for c in self._unfinished() if c not in self._writes]
+        writes = set(self._runtime.writes())
+        late = [c for c in self._unfinished() if c not in writes]
         if late:
             log.warning("aclose: %d jobs still running after %.1fs", len(late), seconds)
         self._runtime.cancel_seeding()
@@ -189,7 +190,7 @@ class _Opening(_State):
     def _unfinished(self) -> list[Completion[None]]:
         """Every tracked completion not done yet (copies, promotions, tier writes)."""
         jobs = {j.done for j in self._inflight.values()}
-        return [c for c in (*self._writes, *jobs, *self._pending) if not c.done()]
+        return [c for c in (*self._runtime.writes(), *jobs, *self._pending) if not c.done()]
 
     async def _settle_until(self, deadline: float) -> bool:
         """Wait until nothing tracked is running, or ``deadline``; True when idle.

@@ -14,13 +14,12 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvtier.chain import Intent, Outcome, ReadDone, Write
+from kvtier.chain import Busy, FrontCounts, Runtime, chain_for
 from kvtier.config import KVTierConfig
 from kvtier.engine._jobs import _Ids, _Job, _Link
 from kvtier.errors import ClosedError
 from kvtier.layout import KVLayout
 from kvtier.region import CPURegion
-from kvtier.runtime import Busy, FrontCounts, Runtime, chain_for
 from kvtier.tiers.base import Tier
 from kvtier.transfer.completion import Completion
 from kvtier.transfer.device import DeviceTransfer, RunsNow
@@ -84,8 +83,6 @@ class _State:
             region,
             asyncio.get_running_loop(),
             queued=False,
-            on_start=self._began,
-            on_outcome=self._outcome,
         )
         self._read_jobs: dict[int, _Job] = {}
         """The job of each promotion's read, by the read's sequence number."""
@@ -94,8 +91,6 @@ class _State:
         self._row_bytes = layout.bytes_per_chunk * region.world_size
         self._inflight: dict[bytes, _Job] = {}
         self._pending: set[Completion[None]] = set()
-        self._writes: set[Completion[None]] = set()
-        """Writes to lower tiers in flight."""
         self._closed = False
         self._abandoning = False
         """Set once aclose's timeout has passed: no more writes to lower tiers."""
@@ -111,18 +106,6 @@ class _State:
     def _dispatch(self) -> None:
         """Carry out what the chain decided (writes, reads, probes), each with a completion."""
         self._runtime.dispatch()
-
-    def _began(self, intent: Intent) -> None:
-        """An intent goes to its tier (the runtime's ``on_start``): writes are tracked
-        (a close waits for them)."""
-        if isinstance(intent, Write) and (done := self._runtime.completion(intent)) is not None:
-            self._writes.add(done)
-            done.add_done_callback(self._writes.discard)
-
-    def _outcome(self, outcome: Outcome) -> None:
-        """An intent's outcome, once the chain has it (the runtime's ``on_outcome``)."""
-        if isinstance(outcome, ReadDone):
-            self._read_done(outcome)
 
     def _copy(
         self, store: bool, slots: Sequence[int], ids: _Ids, skip: int = 0
@@ -157,8 +140,6 @@ class _State:
             raise ClosedError("the engine is closed")
 
     if TYPE_CHECKING:  # defined by the parts (the Engine mixes them in)
-
-        def _read_done(self, done: ReadDone) -> None: ...
 
         def _finish(self, job: _Job) -> None: ...
 

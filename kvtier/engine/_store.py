@@ -128,7 +128,7 @@ class _Storing(_State):
 
     async def _wait_for_rows(self) -> bool:
         """Wait until some work that holds CPU rows ends; False when none is running."""
-        running = [c for c in (*self._writes, *self._pending) if not c.done()]
+        running = [c for c in (*self._runtime.writes(), *self._pending) if not c.done()]
         if running:
             await _wait(running, first=True)
         return bool(running)

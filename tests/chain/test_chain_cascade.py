@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import pytest
+from support.clock import Clock
 
 from kvtier.chain import (
     Answer,
@@ -28,14 +29,6 @@ from kvtier.chain import (
 )
 
 DEADLINE_S = 1.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def key(n: int) -> bytes:

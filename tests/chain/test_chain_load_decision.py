@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from support.clock import Clock
 
 from kvtier.chain import (
     REMEASURE_S,
@@ -25,14 +26,6 @@ from kvtier.chain import (
     Write,
     Written,
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def key(n: int) -> bytes:

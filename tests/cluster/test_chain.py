@@ -1,6 +1,6 @@
 """The scheduler-side chain (:mod:`kvtier.chain`) driven over real tiers.
 
-A chain decides, a :class:`~kvtier.tier_driver.TierDriver` carries its
+A chain decides, a :class:`~kvtier.chain._driver.TierDriver` carries its
 intents out on a real file tier (O_DIRECT files under tmp) and a real Valkey
 cluster, and the outcomes go back to the chain: the loop every front runs
 (the vLLM manager runs it across two threads). Two chains with regions of
@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from kvtier.chain import Answer, Chain, LowerTier, Outcome, Write
+from kvtier.chain._driver import TierDriver
 from kvtier.config import ClusterTierConfig, FileTierConfig
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.region import CPURegion
 from kvtier.testing.valkey import ValkeyCluster
-from kvtier.tier_driver import TierDriver
 from kvtier.tiers.base import Tier
 from kvtier.tiers.factory import open_tier
 
@@ -243,7 +243,7 @@ async def test_a_read_that_never_gets_a_row_ends_as_a_miss(tmp_path: Path) -> No
         a.now[0] += 1.0
         assert a.chain.lookup(ks[0]) is Answer.MISS
         await a.step()
-        assert not a.chain.waiting  # nothing left for the front to step for
+        assert not a.chain.is_waiting(ks[0])  # nothing left for the front to step for
         a.chain.stored(held.keys, False)
         assert a.chain.lookup(ks[0]) is Answer.RETRY  # rows again: a fresh try
         await a.step()

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvtier.chain import TierReport
 from kvtier.errors import TierIOError
 from kvtier.metrics import TierMetrics, samples, tier_metrics
-from kvtier.runtime import TierReport
 from kvtier.testing.tier import Rows, block_keys
 from kvtier.testing.valkey import ValkeyCluster
 from kvtier.tiers.cluster import ClusterTier

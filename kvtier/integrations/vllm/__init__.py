@@ -12,6 +12,7 @@ vLLM loads it through its ``OffloadingConnector``::
 :mod:`.spec` (the spec vLLM loads), :mod:`.manager` (its scheduler side),
 :mod:`.worker` (its worker side), :mod:`._common` and :mod:`.serve` (vLLM's
 command line on its CPU build) import vLLM; this package itself does not, nor
-do :mod:`.settings` (the configuration) and :mod:`.identity` (the model's
-fingerprint), which are usable without it. See docs/vllm.md.
+do :mod:`.settings` (the configuration), :mod:`.identity` (the model's
+fingerprint) and :mod:`.encoding` (what the bytes mean), which are usable
+without it. See docs/vllm.md.
 """

@@ -14,18 +14,22 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import vllm  # type: ignore[import-not-found]
+from vllm.platforms import current_platform  # type: ignore[import-not-found]
 from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
     BlockIDsLoadStoreSpec,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig  # type: ignore[import-not-found]
 
 from kvtier.errors import ConfigurationError
+from kvtier.integrations.vllm.encoding import vllm_encoding
 from kvtier.integrations.vllm.identity import model_identity
-from kvtier.layout import KVLayout, TensorSpec
+from kvtier.layout import KVEncoding, KVLayout, TensorSpec
 
 __all__ = [
     "RowsSpec",
     "follow_vllm_logging",
+    "kv_encoding",
     "offload_key_to_kvtier",
     "row_layout",
 ]
@@ -44,12 +48,33 @@ class RowsSpec(BlockIDsLoadStoreSpec):  # type: ignore[misc]
 def offload_key_to_kvtier(key: bytes, namespace: bytes) -> bytes:
     """kvtier's 16-byte key for vLLM's ``OffloadKey`` (block hash + group) in ``namespace``.
 
-    The namespace is the layout fingerprint: two models, KV dtypes, block
-    sizes or world sizes sharing a file tier never hit each other's blocks.
+    The namespace is the layout fingerprint: two models, KV dtypes, page
+    orders, block sizes, shardings or vLLM releases sharing a file tier never
+    hit each other's blocks.
     """
     h = hashlib.blake2b(namespace, digest_size=16, person=_PERSON)
     h.update(key)
     return h.digest()
+
+
+def kv_encoding(config: OffloadingConfig) -> KVEncoding:
+    """What the bytes of a row mean: vLLM's config and this process's vLLM, in kvtier's terms.
+
+    The same in the scheduler's process and every worker's (one host, one
+    vLLM, one config); see :mod:`kvtier.integrations.vllm.encoding` for the
+    fields and why each is there.
+    """
+    parallel = config.parallel
+    return vllm_encoding(
+        vllm_version=str(vllm.__version__),
+        cache_dtype=str(config.model.dtype),
+        kv_cache_layout=config.kv_cache_layout,
+        fp8_fnuz=bool(current_platform.is_fp8_fnuz()),
+        tp_size=int(parallel.tp_size),
+        pp_size=int(parallel.pp_size),
+        pcp_size=int(parallel.pcp_size),
+        dcp_size=int(parallel.dcp_size),
+    )
 
 
 def row_layout(config: OffloadingConfig, rank: int = 0, revision: str | None = None) -> KVLayout:
@@ -57,11 +82,12 @@ def row_layout(config: OffloadingConfig, rank: int = 0, revision: str | None = N
 
     One row holds ``blocks_per_chunk`` device blocks of every layer of the
     worker (vLLM's ``worker_kv_bytes_per_block`` each). The model id carries
-    what vLLM says makes bytes incompatible: the model's identity (its config
-    and weights, or the ``revision`` the user names: see
+    which model computed the bytes: its identity (its config and weights, or
+    the ``revision`` the user names: see
     :func:`~kvtier.integrations.vllm.identity.model_identity`; never the path
-    it was loaded from), KV dtype, KV cache layout, the layers of each KV
-    cache group, tokens per hash.
+    it was loaded from), the layers of each KV cache group, tokens per hash.
+    The encoding carries what the bytes mean (:func:`kv_encoding`: KV dtype,
+    page order, scales, sharding, vLLM's release).
 
     Raises
     ------
@@ -101,9 +127,7 @@ def row_layout(config: OffloadingConfig, rank: int = 0, revision: str | None = N
                 json.dumps(model_identity(config.model.name, revision), sort_keys=True).encode(),
                 digest_size=16,
             ).hexdigest(),
-            "kv_dtype": config.model.dtype,
-            "kv_cache_layout": config.kv_cache_layout,
-            # One group keeps its former id, so file tiers written before stay valid.
+            # One group: its layers as a flat list, as before hybrid models.
             "layers": (
                 list(groups[0].layer_names)
                 if len(groups) == 1
@@ -127,6 +151,7 @@ def row_layout(config: OffloadingConfig, rank: int = 0, revision: str | None = N
         blocks_per_chunk=bpc,
         tp_rank=rank,
         tp_size=config.parallel.world_size,
+        encoding=kv_encoding(config),
     )
 
 

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # type: ignore[import-not-found]
@@ -32,12 +32,14 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 
 from kvtier.chain import (
     Answer,
-    Intent,
-    Outcome,
-    Read,
+    FrontCounts,
+    FrontStatistics,
     ReadDone,
-    Write,
+    Runtime,
+    Settled,
+    TierEvents,
     Written,
+    chain_for,
 )
 from kvtier.config import KVTierConfig
 from kvtier.errors import BusyError
@@ -62,8 +64,7 @@ from kvtier.metrics import (
     tier_metrics,
 )
 from kvtier.region import CPURegion
-from kvtier.runtime import FrontCounts, FrontStatistics, Runtime, chain_for
-from kvtier.tiers.base import Announces, Tier
+from kvtier.tiers.base import Tier
 from kvtier.tiers.factory import aclose_tiers, open_tiers
 
 __all__ = [
@@ -102,10 +103,10 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
     no I/O. Where every block is and what to do next is the
     :class:`~kvtier.chain.Chain`'s (the same decisions whatever the front);
     this class translates vLLM's keys and answers, carries the chain's intents
-    to kvtier's loop thread (a :class:`~kvtier.tier_driver.TierDriver` runs
-    them on the tiers) and hands their outcomes back to the chain through a
-    queue it drains at the start of every call. It never waits for I/O
-    (except in :meth:`shutdown`).
+    to kvtier's loop thread (the runtime, :class:`~kvtier.chain.Runtime`, runs
+    them on the tiers) and takes back what the runtime settled from the queue
+    it drains at the start of every call. It never waits for I/O (except in
+    :meth:`shutdown`).
 
     *Names.* vLLM's key of a block is kept (``kvtier key -> OffloadKey``) while
     the block is in the CPU tier, to report it as evicted, and, with events on,
@@ -162,10 +163,10 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         # Whether a figure may have changed since the last get_stats: most
         # steps (decoding) change none, and then cost no snapshot at all.
         self._changed = True
-        self._tier_stats: list[Any] = loop.run(_statistics(tiers))
-        """Each lower tier's latest statistics record (see :meth:`_snapshot`)."""
         # Intents go to kvtier's loop thread; outcomes come back through a queue
-        # drained at the start of every call (vLLM's thread never waits).
+        # drained at the start of every call (vLLM's thread never waits). The
+        # file tier's own events are taken there after each of its calls, and
+        # come back in order with the outcomes.
         self._runtime = Runtime(
             self._chain,
             tiers,
@@ -173,11 +174,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             region,
             loop.loop,
             queued=True,
-            on_start=self._began,
-            on_end=self._ended,
-            on_outcome=self._settled,
-            on_tier_call=self._after_tier_call,
-            on_handed=self._handed,
+            events_from=self._event_tier if enable_events and self._event_tier >= 0 else None,
         )
         self._runtime.start()  # what the tiers recovered; peers followed
         self._drain()
@@ -209,6 +206,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             # The tiers run on the loop thread; a tier that fails to open closes
             # those opened before it.
             tiers = loop.run(open_tiers(config, layout, region, enable_events=enable_events))
+            log.info("kvtier: namespace %s (%s)", layout.namespace.hex(), _meaning(layout))
             log.info(
                 "kvtier: CPU tier of %d rows of %d bytes (cpu_bytes_to_use=%d)",
                 region.rows,
@@ -415,7 +413,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             "kvtier_lookup_deadline_s": self._settings.lookup_deadline_s,
         }
         if "file" in self._tier_names:
-            st = asdict(self._tier_stats[self._tier_names.index("file")])
+            st = asdict(self._runtime.tier_statistics()[self._tier_names.index("file")])
             info.update(
                 kvtier_file_io_engine=st["io_engine"],
                 kvtier_file_queue_depth=st["queue_depth"],
@@ -431,7 +429,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         with the totals of kvtier's Prometheus metrics under ``metrics`` (metric
         name, then label values joined by commas: see :func:`kvtier.metrics.as_json`).
         """
-        return self._runtime.statistics(self._counts, self._tier_stats)
+        return self._runtime.statistics(self._counts)
 
     def statistics_json(self) -> dict[str, Any]:
         """What the ``statistics_file`` holds: :meth:`statistics` as
@@ -547,45 +545,24 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._runtime.dispatch()
 
     def _drain(self) -> None:
-        """Apply what the loop thread handed back, in order: outcomes, the file tier's events."""
-        if self._runtime.drain():
+        """Apply what the runtime settled, in order: outcomes, the file tier's events."""
+        arrived = self._runtime.drain()
+        if arrived:
             self._changed = True
+        for item in arrived:
+            if isinstance(item, TierEvents):
+                self._translate(item.events, Medium.STORAGE)
+            else:
+                self._settled(item)
         self._pull_cpu_events()
 
-    def _settled(self, outcome: Outcome) -> None:
+    def _settled(self, done: Settled) -> None:
+        outcome = done.outcome
+        if done.seconds is not None and isinstance(outcome, Written | ReadDone):
+            metric = WRITE_DURATION if isinstance(outcome, Written) else READ_DURATION
+            self._reporter.observe(metric, self._tier_names[outcome.intent.tier], done.seconds)
         if isinstance(outcome, ReadDone):
             self._forget([k for k in outcome.intent.keys if k not in outcome.loaded])
-
-    def _handed(self, item: object) -> None:
-        if isinstance(item, _TierEvents):
-            self._translate(item.events, Medium.STORAGE)
-
-    # Loop thread only.
-
-    def _began(self, intent: Intent) -> None:
-        if isinstance(intent, Write | Read):  # timed until their outcome arrives
-            self._reporter.began(intent.seq)
-
-    def _ended(self, outcome: Outcome) -> None:
-        if isinstance(outcome, Written | ReadDone):
-            metric = WRITE_DURATION if isinstance(outcome, Written) else READ_DURATION
-            name = self._tier_names[outcome.intent.tier]
-            self._reporter.ended(outcome.intent.seq, metric, name)
-
-    def _snapshot(self, index: int) -> None:
-        # Each tier's record is taken on the loop thread that owns the tier,
-        # after whatever changed it, and read on vLLM's thread whole (one
-        # reference, replaced at once): never the tier's state mid-update.
-        self._tier_stats[index] = self._tiers[index].statistics()
-
-    def _after_tier_call(self, index: int) -> None:
-        self._snapshot(index)
-        # The file tier's residency belongs to this thread: its events are taken
-        # here, after each operation, and handed over with the outcome.
-        if index == self._event_tier and self._events is not None:
-            tier = self._tiers[index]
-            if isinstance(tier, Announces) and (events := tier.take_events()):
-                self._runtime.hand_over(_TierEvents(events))
 
     def _write_statistics(self, force: bool = False) -> None:
         path = self._settings.statistics_file
@@ -606,18 +583,17 @@ _ANSWERS = {
 }
 
 
+def _meaning(layout: KVLayout) -> str:
+    """What the start-up log says of the namespace: what the bytes mean, field by field."""
+    encoding = layout.encoding.describe() if layout.encoding is not None else {}
+    return ", ".join(f"{k} {v}" for k, v in encoding.items() if v is not None) or "no encoding"
+
+
 def _describe(statistics: Any) -> str:
     """One line on an open tier for the start-up log: what its record says of its set-up."""
     record = asdict(statistics)
     shown = ("io_engine", "queue_depth", "direct_io", "capacity_bytes", "recovered_blocks")
     return ", ".join(f"{k} {record[k]}" for k in shown if k in record) or "open"
-
-
-@dataclass(frozen=True, slots=True)
-class _TierEvents:
-    """The file tier's residency events of one operation, handed over in order with it."""
-
-    events: list[ManagerEvent]
 
 
 async def _statistics(tiers: Sequence[Tier]) -> list[Any]:

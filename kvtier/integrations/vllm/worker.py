@@ -141,6 +141,7 @@ class KVTierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 kv_first=False,
                 tp_rank=row.tp_rank,
                 tp_size=row.tp_size,
+                encoding=row.encoding,
             )
             if layout.bytes_per_chunk != row.bytes_per_chunk:
                 raise LayoutError(

@@ -3,10 +3,10 @@
 The chain decides on its owner's thread and never does I/O; a
 :class:`TierDriver` lives on the loop that owns the tiers (kvtier's loop
 thread under vLLM) and turns each intent into a tier call, then hands the
-outcome back through ``post`` (called on the loop; a front that owns the
-chain on another thread passes something thread-safe, e.g. a deque's
-``append``). Every intent gets exactly one outcome, also when the tier
-refuses or fails it: the chain's pins are released only through outcomes.
+outcome to ``post`` when the call ends (on the loop: the runtime's, which
+settles it or queues it for the chain's thread). Every intent gets exactly
+one outcome, also when the tier refuses or fails it: the chain's pins are
+released only through outcomes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from kvtier.chain import Intent, Outcome, Probe, Probed, Read, ReadDone, TierChanged, Write, Written
+from kvtier.chain._messages import Intent, Probe, Probed, Read, ReadDone, Write, Written
 from kvtier.errors import KVTierError
 from kvtier.region import CPURegion
 from kvtier.tiers.base import LoadResult, Refreshable, StoreResult, Tier
@@ -44,10 +44,7 @@ class TierDriver:
     region
         The CPU region whose rows the intents name.
     post
-        Receives every outcome, on the loop.
-    on_done
-        Called on the loop after each outcome (e.g. to hand a tier's own
-        events over with it).
+        Receives every outcome, on the loop, as its tier call ends.
     """
 
     def __init__(
@@ -55,14 +52,12 @@ class TierDriver:
         tiers: Sequence[Tier],
         names: Sequence[str],
         region: CPURegion,
-        post: Callable[[Outcome], None],
-        on_done: Callable[[int], None] | None = None,
+        post: Callable[[Written | ReadDone | Probed], None],
     ) -> None:
         self.tiers = list(tiers)
         self._names = list(names)
         self._region = region
         self._post = post
-        self._on_done = on_done
         self._logged: dict[tuple[int, str], int] = {}
 
     def carry_out(self, intent: Intent) -> None:
@@ -73,10 +68,6 @@ class TierDriver:
             self._read(intent)
         else:
             self._probe(intent)
-
-    def seed(self, index: int, keys: Sequence[bytes]) -> None:
-        """Post what a tier found at open, once its recovery has ended (it takes writes)."""
-        self._post(TierChanged(index, added=tuple(keys), recovered=True))
 
     # -- inside --------------------------------------------------------------------------
 
@@ -112,30 +103,30 @@ class TierDriver:
         index: int,
         kind: str,
         call: Callable[[], Completion[R]],
-        outcome: Callable[[R | None], Outcome],
+        outcome: Callable[[R | None], Written | ReadDone],
     ) -> None:
         """Run a tier call; post ``outcome(result)``, or ``outcome(None)`` when it failed."""
         try:
             comp = call()
         except KVTierError as exc:  # refused before any I/O (closed, recovering, ...)
             self._warn(index, kind, f"refused: {exc}")
-            self._finish(index, outcome(None))
+            self._post(outcome(None))
             return
 
         def done(c: Completion[R]) -> None:
             exc = c.exception()
             if exc is not None:
                 self._warn(index, kind, f"failed: {exc}")
-                self._finish(index, outcome(None))
+                self._post(outcome(None))
             else:
-                self._finish(index, outcome(c.result()))
+                self._post(outcome(c.result()))
 
         comp.add_done_callback(done)
 
     def _probe(self, p: Probe) -> None:
         tier = self.tiers[p.tier]
         if not isinstance(tier, Refreshable):
-            self._finish(p.tier, Probed(p, frozenset(k for k in p.keys if tier.is_ready(k))))
+            self._post(Probed(p, frozenset(k for k in p.keys if tier.is_ready(k))))
             return
         task = asyncio.ensure_future(tier.refresh(p.keys))
 
@@ -143,14 +134,9 @@ class TierDriver:
             if not t.cancelled() and t.exception() is not None:
                 self._warn(p.tier, "probe", f"asking the tier failed: {t.exception()}")
             # What the tier knows now, whether or not every node answered.
-            self._finish(p.tier, Probed(p, frozenset(k for k in p.keys if tier.is_ready(k))))
+            self._post(Probed(p, frozenset(k for k in p.keys if tier.is_ready(k))))
 
         task.add_done_callback(done)
-
-    def _finish(self, index: int, outcome: Outcome) -> None:
-        self._post(outcome)
-        if self._on_done is not None:
-            self._on_done(index)
 
     def _warn(self, index: int, kind: str, message: str) -> None:
         n = self._logged.get((index, kind), 0)

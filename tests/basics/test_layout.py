@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
-from kvtier import KVLayout, LayoutError, TensorSpec
+from kvtier import KVEncoding, KVLayout, LayoutError, TensorSpec
 
 
 def layout(tensors: Any, **kw: Any) -> KVLayout:
@@ -118,6 +119,64 @@ def test_namespace_and_fingerprint() -> None:
 def test_namespace_golden() -> None:
     # Changing this digest orphans every file tier on disk: bump the format deliberately.
     assert _lay().namespace.hex() == "abc190ec50054514c67b5f4d11db2b79"
+
+
+# What a vLLM page of float8 means on one machine: every field set.
+_MEANING = KVEncoding(
+    format_version="vllm 0.32",
+    attention_backend="FLASH_ATTN",
+    kv_cache_layout="LBNHC",
+    cache_dtype="fp8_e4m3",
+    scales="per-tensor from the model",
+    sharding="tp2 pp1 pcp1 dcp1",
+)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param({"attention_backend": "FLASHINFER"}, id="attention-backend"),
+        pytest.param({"attention_backend": None}, id="attention-backend-unsaid"),
+        pytest.param({"kv_cache_layout": "LBHNC"}, id="kv-cache-layout"),
+        pytest.param({"cache_dtype": "fp8_e5m2"}, id="cache-dtype"),
+        pytest.param({"scales": "per-tensor from the model, doubled for fnuz"}, id="scales"),
+        pytest.param({"scales": None}, id="scales-unsaid"),
+        pytest.param({"format_version": "vllm 0.33"}, id="format-version"),
+        pytest.param({"sharding": "tp1 pp2 pcp1 dcp1"}, id="sharding"),
+    ],
+)
+def test_same_shapes_another_meaning_is_another_namespace(change: dict[str, Any]) -> None:
+    """Equal shapes and dtypes, bytes that mean something else: never one namespace."""
+    a = _lay(encoding=_MEANING)
+    b = _lay(encoding=replace(_MEANING, **change))
+    assert a.tensors == b.tensors
+    assert b.namespace != a.namespace
+    assert b.fingerprint != a.fingerprint
+
+
+def test_the_same_meaning_twice_is_the_same_namespace() -> None:
+    # Built anew, as a restart does: equal values, equal digest.
+    again = KVEncoding(**_MEANING.describe())
+    assert _lay(encoding=again).namespace == _lay(encoding=_MEANING).namespace
+    assert _lay(encoding=_MEANING).namespace != _lay().namespace
+    # A digest of values only (no id(), no ordering that varies between processes).
+    assert _lay(encoding=_MEANING).namespace.hex() == "ca722d79370683c05f2e4472964a31eb"
+    assert _lay(encoding=_MEANING).describe()["encoding"] == _MEANING.describe()
+    assert "encoding" not in _lay().describe()  # layouts without one keep their digest
+
+
+def test_from_tensors_carries_the_encoding() -> None:
+    lay = layout([torch.zeros(10, 4, dtype=torch.float16)], encoding=_MEANING)
+    assert lay.encoding == _MEANING
+    assert lay.namespace != layout([torch.zeros(10, 4, dtype=torch.float16)]).namespace
+
+
+@pytest.mark.parametrize("value", ["", "  ", 3], ids=["empty", "blank", "not-str"])
+def test_an_encoding_field_is_a_name_or_none(value: Any) -> None:
+    with pytest.raises(LayoutError, match=r"KVEncoding\.cache_dtype"):
+        KVEncoding(cache_dtype=value)
+    with pytest.raises(LayoutError, match="encoding must be a KVEncoding"):
+        _lay(encoding={"cache_dtype": "fp8"})
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,594 @@
+"""The chain of tiers, scheduler side: where every block is, and what to do next. No I/O.
+
+A :class:`Chain` is owned by one thread (a serving engine's scheduler) and
+answers at once: it holds the CPU tier's residency and, for each tier below
+it (file, cluster), the keys that tier holds as far as this instance knows.
+It decides the cascade and hands out *intents* for a driver to carry out on
+the tiers' own loop; the driver hands their *outcomes* back::
+
+    front (sync)           Chain (this module)                 driver (tiers' loop)
+    lookup(key)    ----->  HIT / PENDING / RETRY / MISS (vLLM: reads start here)
+    promote(keys)  ----->  rows reserved, reads (the Engine's loads)
+    place(keys)    ----->  rows for the leading keys that fit
+    stored(keys)   ----->  write-through: rows pinned for the write
+                           take_intents() -> [Write, Read, Probe]  --> tier.store / load / refresh
+                           settle(outcome) <- [Written, ReadDone, Probed, TierChanged]  <--
+
+What it decides:
+
+* **Write-through.** A block stored from the device is written to every tier
+  below that takes stores; its row is pinned *for the write* (not a load)
+  until the write ends, so it cannot be evicted and reused meanwhile.
+* **Write-back.** A tier with ``write_back`` is given a block only when the
+  CPU tier evicts it: the placement that evicted it emits a :class:`Write`
+  with ``evicting`` of the victim's row, and the row is not reused (a read
+  into it is held; a front's copy waits, :meth:`Chain.evicting_writes`)
+  until that write ends; at close, :meth:`Chain.write_back` hands over the
+  rest.
+* **Promotion.** A lookup of a block that only a lower tier holds reserves a
+  CPU row and answers RETRY; the driver reads the block into the row; once
+  verified it is a HIT. With ``promote_up``, a block promoted from a tier
+  also goes to the tiers above that tier (a cluster hit lands on the file
+  tier too).
+* **Probing a shared tier.** A tier other instances write (the cluster tier)
+  may hold blocks this instance never saw: a lookup of a key that no tier is
+  known to hold asks it (RETRY), in one batch per scheduler step.
+* **A lower tier's failure falls through, then is a miss.** A block a read
+  did not deliver (vanished, damaged, its row reused, the tier refusing) is
+  dropped from that tier, and read into the same CPU row from the next tier
+  below it that holds it (a :class:`Read` that ``follows`` the first); only
+  when no tier below holds it, or its wait is past ``lookup_deadline_s``, is
+  it a miss (the lookup answers MISS, never an error). A lookup that has
+  waited on a read or a probe past ``lookup_deadline_s`` answers MISS: a
+  stalled tier never holds a request (the read goes on, and its block serves
+  a later request).
+
+The chain holds the CPU tier's residency, places rows, and issues and
+settles the reads and writes; its parts are objects it owns, each in a module
+of its own: the fronts' lookups and the waits they start
+(:class:`~kvtier.chain._lookups.Lookups`), whether a lower tier's block is
+worth loading at all (:class:`~kvtier.chain._decision.LoadDecision`), the
+per-request deadlines and row limit (:class:`~kvtier.chain._deadlines.Deadlines`),
+and what write-back tiers are owed (:class:`~kvtier.chain._write_back.WriteBack`).
+
+Both fronts drive it through the runtime (:class:`~kvtier.chain.Runtime`),
+which carries the intents out and settles their outcomes; each intent carries
+a sequence number (``seq``), and its outcome names the intent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+
+from kvtier.chain._deadlines import Deadlines
+from kvtier.chain._decision import LoadDecision
+from kvtier.chain._lookups import Lookups
+from kvtier.chain._lower import Lower
+from kvtier.chain._messages import (
+    Intent,
+    LowerTier,
+    Outcome,
+    Probe,
+    Probed,
+    Read,
+    ReadDone,
+    Write,
+    Written,
+)
+from kvtier.chain._statistics import ChainStatistics, TierCounts
+from kvtier.chain._write_back import WriteBack
+from kvtier.manager import ResidencyManager, StorePlan
+
+__all__ = ["Chain"]
+
+
+class Chain:
+    """The CPU tier and the tiers below it, scheduler side (see the module docstring).
+
+    Parameters
+    ----------
+    rows
+        The CPU region's rows: the CPU tier's residency (one slot per row) is
+        the chain's own, made here, and only the chain changes it.
+    lower
+        The tiers below it, highest first.
+    lookup_deadline_s
+        How long a lookup may answer RETRY for one block before it answers
+        MISS.
+    probe_ttl_s
+        How long a shared tier's "absent" answer stands before a lookup asks
+        again (another instance may have stored the block since).
+    known_limit
+        Keys remembered per shared tier (the oldest are forgotten).
+    policy
+        The CPU tier's eviction policy (``"lru"``, ``"arc"``).
+    enable_events
+        Record the CPU tier's residency events (:meth:`take_cpu_events`).
+    decline_slow_loads, recompute_s_per_block, measure_recompute
+        Whether a lookup declines a lower tier's block that would arrive later
+        than recomputing it; what recomputing a block costs, in seconds; whether
+        to measure it from :meth:`place` to :meth:`stored` (vLLM's stores follow
+        the compute): :class:`~kvtier.chain._decision.LoadDecision`.
+    clock
+        Monotonic seconds (tests pass their own).
+
+    Notes
+    -----
+    Not thread-safe: one thread owns it. A driver's outcomes are handed back
+    through :meth:`settle` on that thread.
+    """
+
+    def __init__(
+        self,
+        rows: int,
+        lower: Sequence[LowerTier],
+        *,
+        lookup_deadline_s: float = 2.0,
+        probe_ttl_s: float = 1.0,
+        known_limit: int = 1 << 20,
+        policy: str = "lru",
+        enable_events: bool = False,
+        decline_slow_loads: bool = True,
+        recompute_s_per_block: float | None = None,
+        measure_recompute: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._cpu = cpu = ResidencyManager(rows, policy, tier="cpu", enable_events=enable_events)
+        self._cpu_counts = TierCounts()
+        # A tier of this instance's own is known exactly; a shared one is bounded.
+        self._lower = [Lower(s, known_limit if s.shared else 1 << 62) for s in lower]
+        self._decision = LoadDecision(
+            [spec.name for spec in lower],
+            enabled=decline_slow_loads,
+            recompute_s_per_block=recompute_s_per_block,
+            measure_recompute=measure_recompute,
+            clock=clock,
+        )
+        self._deadlines = Deadlines(lookup_deadline_s, cpu.capacity, clock)
+        self._lookups = lookups = Lookups(
+            cpu,
+            self._cpu_counts,
+            self._lower,
+            self._decision,
+            self._deadlines,
+            probe_ttl_s=probe_ttl_s,
+            clock=clock,
+        )
+        self._write_back = WriteBack(cpu, self._lower, self._next)
+        self._writes_back = any(spec.write_back for spec in lower)
+        self._deadline = lookup_deadline_s
+        self._clock = clock
+        self._intents: list[Intent] = []
+        self._seq = 0
+        self._write_pins: dict[bytes, int] = {}
+        self._read_since: dict[int, float] = {}
+        """Reads in flight: when the first read of their blocks was issued (a
+        read that follows another keeps that one's time: one deadline per block)."""
+        self._follow_ups: dict[int, tuple[Read, ...]] = {}
+        """Reads whose undelivered blocks went on to lower tiers, and those reads
+        (:meth:`follow_ups`), until one of those settles."""
+        self._lookup_reads: set[int] = set()
+        """Reads that lookups started (vLLM's): a block they deliver is a lookup hit."""
+        self._refusals = 0
+        # What the fronts ask, on their hot paths: answered by the residency and
+        # the parts themselves (no second call through the chain).
+        self.is_ready = cpu.is_ready
+        """Whether a key is ready in a CPU row (loadable now)."""
+        self.holds = cpu.__contains__
+        """Whether a key holds a CPU row in any state (``key in chain``)."""
+        self.pins = cpu.pins
+        """How many loads and writes hold a key's CPU row now."""
+        self.touch = cpu.touch
+        """Mark ready CPU blocks recently used (keys not ready there are left alone)."""
+        self.capacity = cpu.capacity
+        """Rows of the CPU tier."""
+        self.cpu_statistics = cpu.statistics
+        """The CPU tier's residency: rows used, ready, pinned, evictable; evictions."""
+        self.take_cpu_events = cpu.take_events
+        """The CPU tier's residency events since the last call (``enable_events``)."""
+        self.reset = cpu.reset
+        """Forget every block of the CPU tier (vLLM's ``reset_cache``)."""
+        self.lookup = lookups.lookup
+        """Where a key can be served from now, key by key (vLLM's): :meth:`Lookups.lookup
+        <kvtier.chain._lookups.Lookups.lookup>`."""
+        self.prefix = lookups.prefix
+        """The longest prefix some tier can serve, at once (the Engine's):
+        :meth:`Lookups.prefix <kvtier.chain._lookups.Lookups.prefix>`."""
+        self.known = lookups.known
+        """:meth:`Lookups.known <kvtier.chain._lookups.Lookups.known>`."""
+        self.lower_of = lookups.lower_of
+        """The highest lower tier known to hold a key, or None (no side effect)."""
+        self.is_waiting = lookups.is_waiting
+        """Whether a lookup of a key waits on a read or a probe."""
+        self.forget_request = lookups.forget_request
+        """A request looks nothing up any more (it finished)."""
+        self.evicting_writes = self._write_back.waits_for
+        """The write-backs the rows of a plan wait for (their evicted blocks)."""
+        self.abandon = self._write_back.abandon
+        """Forget what write-back tiers were still to be given (a close's timeout); how many."""
+
+    # -- stores and loads through the CPU rows ---------------------------------------------
+
+    def place(self, keys: Sequence[bytes], keep: Sequence[bytes] = ()) -> StorePlan | None:
+        """CPU rows for the longest prefix of the new ``keys`` that fits now, or None.
+
+        ``keys`` are not in the CPU tier (both fronts leave those out before
+        they call, so it is not looked at again here); refused keys are counted.
+        Unless a lower tier takes what the CPU tier evicts (:attr:`streams`),
+        ready blocks of ``keep`` are not evicted to make room: a request must
+        not evict its own prefix for its tail when an evicted block is gone.
+        The rows of blocks it evicts that a write-back tier still lacks are
+        not free until :meth:`evicting_writes` of the plan end.
+        """
+        todo = list(keys)
+        if not todo:
+            return None
+        held = [k for k in keep if self._cpu.is_ready(k)] if keep and not self.streams else []
+        if held:
+            held = list(self._cpu.prepare_load(held).keys)  # shielded from eviction meanwhile
+        try:
+            plan = self._place(todo)
+        finally:
+            if held:
+                self._cpu.complete_load(held)
+        if plan is not None and self._decision.measuring:
+            self._decision.placed(plan.keys)
+        self._refusals += len(todo) - (0 if plan is None else len(plan.keys))
+        return plan
+
+    def stored(self, keys: Sequence[bytes], ok: bool, *, write_down: bool = True) -> None:
+        """The device copy into the rows of ``keys`` ended; write them through if ``ok``.
+
+        ``write_down=False`` publishes them in the CPU tier only (a front that
+        has stopped writing to the tiers below: a close past its timeout).
+        """
+        if not keys:
+            return
+        if self._decision.measuring:
+            self._decision.computed(keys, ok)
+        self._cpu.complete_store(keys, ok)
+        if ok:
+            self._cpu_counts.blocks_in += len(keys)
+            if write_down:
+                self._write_down(keys, range(len(self._lower)), store=True)
+
+    def pin_for_device_load(self, keys: Sequence[bytes]) -> tuple[int, ...]:
+        """Pin ready blocks for a copy to the device; their rows."""
+        plan = self._cpu.prepare_load(keys)
+        self._cpu_counts.blocks_out += len(keys)
+        return plan.slots
+
+    def unpin_device_load(self, keys: Sequence[bytes]) -> None:
+        """The copy to the device of ``keys`` ended."""
+        self._cpu.complete_load(keys)
+
+    def promote(self, keys: Sequence[bytes]) -> list[Read]:
+        """Reserve CPU rows for a window of the leading ``keys`` and read them from the
+        lower tiers that hold them; the reads, one per tier (each settles with its
+        :class:`ReadDone`; one may wait for a write-back of its rows first).
+
+        The window is every key when the free or evictable rows take them all;
+        past that, at most half the CPU tier, so that one window is read while
+        the one before is copied to the device (a load streams through the
+        rows); none when no row is free. Keys in the CPU tier already, or in
+        no lower tier, are left out. With ``promote_up``, what arrives also
+        goes to the tiers above its own.
+        """
+        lower_of = self.lower_of
+        todo = [k for k in keys if k not in self._cpu and lower_of(k) is not None]
+        room = self._room() if todo else 0
+        if not room:
+            return []
+        if len(todo) > room:
+            todo = todo[: min(room, max(1, self.capacity // 2))]
+        plan = self._place(todo)
+        if plan is None:
+            return []
+        reads = self._reads(plan.keys, plan.slots, lower_of)
+        for read in reads:
+            self._read(read)
+        return reads
+
+    def follow_ups(self, read: Read) -> tuple[Read, ...]:
+        """The reads that carry on ``read``'s undelivered blocks from lower tiers.
+
+        Made when ``read``'s :class:`ReadDone` was settled: each block the
+        tier did not deliver, held by a tier below it, is read from the
+        highest such tier into the row it already had (the row stays
+        reserved: not ready, not evictable), in one :class:`Read` per tier,
+        each with ``follows`` set to ``read.seq``. A front that waits on
+        ``read``'s blocks (the Engine's loads) asks right after that outcome
+        and waits on these for the blocks they carry; the blocks of ``read``
+        that are in neither ``loaded`` nor these reads are misses. Empty when
+        every block was delivered, or none is held below (or their wait is
+        past ``lookup_deadline_s``), or once one of these reads has settled.
+        """
+        return self._follow_ups.get(read.seq, ())
+
+    def probe(self, index: int, keys: Sequence[bytes]) -> Probe:
+        """Ask lower tier ``index`` which of ``keys`` it holds: the :class:`Probe` queued."""
+        self._lower[index].counts.probes += len(keys)
+        probe = Probe(index, tuple(keys), self._next())
+        self._intents.append(probe)
+        return probe
+
+    # -- the CPU tier, as the fronts see it -----------------------------------------------
+
+    @property
+    def streams(self) -> bool:
+        """A lower tier takes what the CPU tier evicts now (one takes stores and is
+        not recovering): a store larger than the CPU tier can stream through it."""
+        return any(t.spec.takes_stores and not t.recovering for t in self._lower)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` holds a CPU row, in any state (being written included)."""
+        return key in self._cpu
+
+    # -- write-back -----------------------------------------------------------------------
+
+    def write_back(self) -> int:
+        """Hand every write-back tier the ready blocks it lacks (at close); how many."""
+        owed = self._write_back.at_close()
+        for index, keys in owed:
+            self._pin_and_write(index, keys)
+        return sum(len(keys) for _i, keys in owed)
+
+    def recovering(self, index: int) -> None:
+        """Lower tier ``index`` refuses writes until its recovery ends (a
+        :class:`TierChanged` with ``recovered``); meanwhile the blocks it is owed stay
+        pinned in their CPU rows (:class:`~kvtier.chain._write_back.WriteBack`): stores
+        find fewer rows to evict (a refusal is a recompute later; a lost block is not)."""
+        self._lower[index].recovering = True
+
+    # -- intents and outcomes -------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """Lookups wait on reads or probes, or reads, probes or writes are in flight."""
+        return bool(
+            self._lookups.busy or self._intents or self._write_pins or self._write_back.busy
+        )
+
+    def take_intents(self) -> list[Intent]:
+        """What to carry out now: writes, reads into reserved rows, probes."""
+        lookups = self._lookups
+        if not (self._intents or lookups.due):
+            return []  # most calls: a store with nothing below, a step with nothing new
+        self._start_reads()
+        for i, keys in lookups.probes_due():
+            self._lower[i].counts.probes += len(keys)
+            self._intents.append(Probe(i, keys, self._next()))
+        out, self._intents = self._intents, []
+        return out
+
+    def settle(self, outcome: Outcome) -> None:
+        """Apply an outcome a driver handed back."""
+        if isinstance(outcome, Written):
+            self._settle_write(outcome)
+        elif isinstance(outcome, ReadDone):
+            self._settle_read(outcome)
+        elif isinstance(outcome, Probed):
+            self._lookups.probed(outcome)
+        else:
+            tier = self._lower[outcome.tier]
+            tier.learn(outcome.added)
+            tier.forget(outcome.removed)
+            self._write_back.orphaned(outcome.tier, outcome.removed)
+            if outcome.recovered and tier.recovering:
+                tier.recovering = False
+                self._write_back.recovered(outcome.tier)
+
+    def statistics(self) -> ChainStatistics:
+        """A snapshot of the counters."""
+        decision, deadlines = self._decision, self._deadlines
+        tiers = {"cpu": replace(self._cpu_counts)}  # copies: the snapshot does not move
+        for i, t in enumerate(self._lower):
+            tiers[t.spec.name] = replace(
+                t.counts,
+                loads_declined=decision.declined_from(i),
+                read_s_per_block=decision.s_per_block(i),
+            )
+        return ChainStatistics(
+            tiers=tiers,
+            lookups=self._lookups.count,
+            store_refusals=self._refusals,
+            deadline_misses=deadlines.late,
+            row_limit_misses=deadlines.row_limited,
+            loads_declined=decision.declined,
+            recompute_s_per_block=decision.recompute_s_per_block,
+            rows_held_by_writes=len(self._write_pins),
+        )
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def _start_reads(self) -> None:
+        """Rows for the reads lookups wait on, and the reads into them."""
+        lookups = self._lookups
+        wanted = lookups.reads_due()
+        if not wanted:
+            return
+        plan = self._place([k for k, _t in wanted])
+        placed = set() if plan is None else set(plan.keys)
+        lookups.unplaced([k for k, _t in wanted if k not in placed])
+        if plan is None:
+            return
+        lookups.issued(plan.keys)
+        for read in self._reads(plan.keys, plan.slots, dict(wanted).__getitem__):
+            self._lookup_reads.add(read.seq)  # its blocks are lookup hits of that tier
+            self._read(read)
+
+    def _reads(
+        self,
+        keys: Sequence[bytes],
+        rows: Sequence[int],
+        tier_of: Callable[[bytes], int | None],
+        follows: int = 0,
+    ) -> list[Read]:
+        """One :class:`Read` per tier (in tier order) of ``keys`` into ``rows``."""
+        by_tier: dict[int, list[tuple[bytes, int]]] = {}
+        for k, slot in zip(keys, rows, strict=True):
+            tier = tier_of(k)
+            assert tier is not None  # placed just now, known just before
+            by_tier.setdefault(tier, []).append((k, slot))
+        return [
+            Read(
+                i,
+                tuple(k for k, _s in by_tier[i]),
+                tuple(s for _k, s in by_tier[i]),
+                self._next(),
+                follows=follows,
+            )
+            for i in sorted(by_tier)
+        ]
+
+    def _read(self, read: Read, since: float | None = None) -> None:
+        """Issue ``read``, or hold it while one of its rows is still being written back.
+
+        ``since``: when its blocks' first read was issued (a read that follows
+        another), else now.
+        """
+        self._read_since.setdefault(read.seq, self._clock() if since is None else since)
+        if self._write_back.hold(read):
+            return
+        self._intents.append(read)
+        self._decision.read_started(read.tier, len(read.keys))
+
+    def _settle_read(self, done: ReadDone) -> None:
+        read = done.intent
+        tier = self._lower[read.tier]
+        good = [k for k in read.keys if k in done.loaded]
+        self._decision.read_ended(read.tier, len(read.keys), len(good))
+        bad = [k for k in read.keys if k not in done.loaded]
+        since = self._read_since.pop(read.seq, None)
+        if read.follows:
+            self._follow_ups.pop(read.follows, None)  # its front has asked by now
+        if good:
+            self._cpu.complete_store(good, True)
+            tier.counts.blocks_out += len(good)
+        lookup = read.seq in self._lookup_reads
+        if lookup:  # (a front's own promotions were counted by prefix)
+            self._lookup_reads.discard(read.seq)
+            tier.counts.lookup_hits += len(good)
+        again: set[bytes] = set()
+        if bad:
+            tier.counts.read_failures += len(bad)
+            tier.forget(bad)  # vanished, damaged or unreachable
+            again = self._fall_through(read, bad, since, lookup)
+            lost = [k for k in bad if k not in again]
+            if lost:
+                self._cpu.complete_store(lost, False)
+        self._lookups.ended([k for k in read.keys if k not in again])
+        if good and tier.spec.promote_up and read.tier:
+            self._write_down(good, range(read.tier), store=False)
+
+    def _fall_through(
+        self, read: Read, bad: Sequence[bytes], since: float | None, lookup: bool
+    ) -> set[bytes]:
+        """Read the blocks ``read`` did not deliver from the tiers below its own that
+        hold them, into the same rows (still reserved); the keys read again.
+
+        Only tiers below: each block falls through the chain at most once per
+        tier, so it ends. A block whose wait (its lookup's, else its first
+        read's) is past the deadline is a miss instead: its lookup answers
+        MISS by now, and a stalled tier must not hold its row longer.
+        """
+        now = self._clock()
+        lower, lookups = self._lower, self._lookups
+        failed = set(bad)
+        below_of: dict[bytes, int] = {}
+        keys, rows = [], []
+        for k, slot in zip(read.keys, read.rows, strict=True):
+            if k not in failed:
+                continue
+            began = lookups.began(k)
+            if began is None:
+                began = since
+            if began is not None and now - began >= self._deadline:
+                continue
+            below = next((j for j in range(read.tier + 1, len(lower)) if k in lower[j].known), -1)
+            if below < 0:
+                continue
+            below_of[k] = below
+            keys.append(k)
+            rows.append(slot)
+            lookups.moved(k, below)
+        if not keys:
+            return set()
+        reads = self._reads(keys, rows, below_of.__getitem__, follows=read.seq)
+        for again in reads:
+            if lookup:
+                self._lookup_reads.add(again.seq)
+            self._read(again, since)
+        self._follow_ups[read.seq] = tuple(reads)
+        return set(keys)
+
+    # -- writes --------------------------------------------------------------------------
+
+    def _settle_write(self, done: Written) -> None:
+        write = done.intent
+        tier = self._lower[write.tier]
+        tier.learn(done.stored)
+        tier.forget(done.evicted)
+        self._write_back.orphaned(write.tier, done.evicted)
+        ok = [k for k in write.keys if k in done.stored]
+        tier.counts.blocks_in += len(ok)
+        tier.counts.write_failures += len(write.keys) - len(ok)
+        if not write.evicting:
+            self._unpin_written(write.keys)
+            return
+        for read in self._write_back.written(write):
+            self._read(read)  # held again if another of its rows is still written back
+
+    def _write_down(self, keys: Sequence[bytes], tiers: Iterable[int], *, store: bool) -> None:
+        """Write ready CPU blocks to ``tiers`` that lack them: rows pinned per write."""
+        for i in tiers:
+            tier = self._lower[i]
+            if store and not tier.spec.takes_stores:
+                continue
+            todo = [k for k in keys if k not in tier.known]
+            if not todo:
+                continue
+            if tier.spec.write_back:
+                self._write_back.owe(i, todo)  # written when evicted, or at close
+                continue
+            self._pin_and_write(i, todo)
+
+    def _pin_and_write(self, index: int, keys: Sequence[bytes]) -> None:
+        plan = self._cpu.prepare_load(keys)  # a pin held for the write, not a load
+        for k in keys:
+            self._write_pins[k] = self._write_pins.get(k, 0) + 1
+        self._intents.append(Write(index, plan.keys, plan.slots, seq=self._next()))
+
+    def _unpin_written(self, keys: Sequence[bytes]) -> None:
+        self._cpu.complete_load(keys)
+        pins = self._write_pins
+        for k in keys:
+            left = pins[k] - 1
+            if left:
+                pins[k] = left
+            else:
+                del pins[k]
+
+    # -- rows ----------------------------------------------------------------------------
+
+    def _room(self) -> int:
+        """How many new blocks the CPU tier takes now (free or evictable rows)."""
+        st = self._cpu.statistics()
+        return st.capacity - st.used + st.evictable
+
+    def _place(self, keys: list[bytes]) -> StorePlan | None:
+        n = min(len(keys), self._room())
+        while n:
+            plan = self._cpu.prepare_store(keys[:n])
+            if plan is not None:
+                if plan.evicted and self._writes_back:
+                    self._intents.extend(self._write_back.evicted(plan))
+                return plan
+            n //= 2  # the room counted rows this call's own keys would need to free
+        return None
+
+    def _next(self) -> int:
+        self._seq += 1
+        return self._seq

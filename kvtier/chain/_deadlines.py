@@ -1,0 +1,140 @@
+"""Per-request deadlines and the row limit: a front that names its requests (vLLM's).
+
+vLLM looks a waiting request's prefix up key by key, once per scheduler step,
+and defers the request while any answer is RETRY or PENDING. The chain
+(:class:`~kvtier.chain.Chain`) owns one :class:`Deadlines` table that keeps
+two rules per request, not per key:
+
+* **Its wait is bounded.** From its first RETRY or PENDING answer, a request
+  may wait ``lookup_deadline_s``; past it every answer but HIT is MISS, so it
+  loads what is in CPU rows and recomputes the rest. (Per key, a wait would
+  start afresh each time a promoted block was evicted before the request came
+  back.)
+* **Its prefix fits the CPU tier.** Only as many leading keys as the CPU tier
+  has rows can be loaded at once (every load is staged through a row): a key
+  past that is MISS, counted in ``row_limit_misses``.
+
+A key seen again starts a new pass (the next step's lookup). A finished
+request is forgotten (:meth:`Deadlines.forget`); requests idle for long are
+forgotten anyway. Misses past a deadline (the request's, or a key's own wait
+on a read or a probe, which the chain checks) are counted here, and logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = ["Deadlines"]
+
+log = logging.getLogger("kvtier.chain")
+
+
+@dataclass(slots=True)
+class _Request:
+    """One request's lookups."""
+
+    seen: dict[bytes, None] = field(default_factory=dict)
+    """Keys looked up in its current pass over its prefix."""
+    since: float | None = None
+    """When its current wait began (its first RETRY or PENDING), or None."""
+    deferred: bool = False
+    """Its current pass answered RETRY or PENDING somewhere."""
+    last: float = 0.0
+    """When it last looked a key up."""
+    from_lower: dict[int, int] = field(default_factory=dict)
+    """Blocks of its current pass to be read from each lower tier (the load decision's)."""
+
+
+class Deadlines:
+    """The requests looking up, their waits and the row limit (see the module docstring).
+
+    Parameters
+    ----------
+    deadline_s
+        How long a lookup may wait (``lookup_deadline_s``).
+    rows
+        The CPU tier's rows: the most leading keys of one request that can load.
+    clock
+        Monotonic seconds (the chain's).
+    """
+
+    def __init__(self, deadline_s: float, rows: int, clock: Callable[[], float]) -> None:
+        self.deadline_s = deadline_s
+        self.late = 0
+        """Lookups answered MISS because a wait outlasted the deadline."""
+        self.row_limited = 0
+        """Lookups answered MISS because the request's prefix before them needed every row."""
+        self._rows = rows
+        self._clock = clock
+        self._requests: dict[object, _Request] = {}
+        """Requests looking up, least recently active first."""
+        self._forget_after = max(60.0, 10 * deadline_s)
+        self._logged = False
+
+    def __len__(self) -> int:
+        """Requests remembered now."""
+        return len(self._requests)
+
+    def enter(self, request: object, key: bytes) -> _Request | None:
+        """``request`` looks ``key`` up now: its record, or None when ``key`` is past
+        the row limit (counted; the lookup is a MISS)."""
+        now = self._clock()
+        requests = self._requests
+        req = requests.pop(request, None)
+        if req is None:
+            req = _Request()
+            if requests:
+                self._sweep(now)
+        requests[request] = req  # most recently active last
+        req.last = now
+        seen = req.seen
+        if key in seen:  # a new pass over its prefix
+            if not req.deferred:
+                req.since = None  # the last pass was answered: a new wait
+            seen.clear()
+            req.from_lower.clear()
+            req.deferred = False
+        seen[key] = None
+        if len(seen) > self._rows:
+            self.row_limited += 1
+            return None
+        return req
+
+    def wait(self, req: _Request) -> bool:
+        """The lookup just entered for ``req`` answers RETRY or PENDING: whether it may
+        (False past the request's deadline: a MISS, counted)."""
+        now = req.last  # when the lookup entered
+        if req.since is None:
+            req.since = now
+        elif now - req.since >= self.deadline_s:
+            self.miss_late("its request's wait")
+            return False
+        req.deferred = True
+        return True
+
+    def miss_late(self, what: str) -> None:
+        """A lookup answered MISS because its wait on ``what`` outlasted the deadline."""
+        self.late += 1
+        if not self._logged:
+            self._logged = True
+            log.warning(
+                "kvtier: a lookup waited on %s for more than %.3f s (lookup_deadline_s): "
+                "answered as a miss, the block is recomputed; logged once, counted as "
+                "deadline_misses",
+                what,
+                self.deadline_s,
+            )
+
+    def forget(self, request: object) -> None:
+        """``request`` looks nothing up any more (it finished)."""
+        self._requests.pop(request, None)
+
+    def _sweep(self, now: float) -> None:
+        requests = self._requests
+        while requests:
+            oldest = next(iter(requests))
+            if now - requests[oldest].last < self._forget_after:
+                return
+            del requests[oldest]
