@@ -48,7 +48,6 @@ import contextlib
 import fcntl
 import os
 import re
-import stat
 import struct
 import time
 from dataclasses import dataclass
@@ -63,8 +62,10 @@ from kvtier.shm import (
     check_private,
     create_or_join,
     memory_bytes,
+    reap_files,
     release,
     round_up,
+    same_file,
 )
 from kvtier.shm import held_by_others as _held_by_others
 from kvtier.shm import set_lock as _setlk
@@ -176,18 +177,9 @@ def _release_mutex(fd: int) -> None:
 # -- names ----------------------------------------------------------------------------------
 
 
-def _same_file(path: str, fd: int) -> bool:
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
-
-
 def _unlink_names(att_path: str, fd: int, data_path: str | None) -> None:
     """Remove the names (only if ``path`` still names our file); the memory stays mapped."""
-    if _same_file(att_path, fd):
+    if same_file(att_path, fd):
         os.unlink(att_path)
         if data_path is not None:  # pragma: no cover - needs reserved huge pages
             with contextlib.suppress(FileNotFoundError):
@@ -563,49 +555,27 @@ def reap(
     (no process is attached, whatever its state). Files of other users, and
     files under the prefix that kvtier did not write, stay.
     """
-    reaped: list[str] = []
     now = time.time()
-    try:
-        names = os.listdir(directory)
-    except OSError:  # pragma: no cover - no /dev/shm
-        return reaped
-    for name in names:
-        if not name.startswith(FILE_PREFIX) or not name.startswith(prefix):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, OPEN_FLAGS)
-        except OSError:
-            continue  # gone, another user's, not a file
-        try:
-            st = os.fstat(fd)
-            if (
-                not stat.S_ISREG(st.st_mode)
-                or st.st_uid != os.geteuid()
-                or now - st.st_mtime < older_than
-                or _held_by_others(fd, _LIVE)
-                or not _setlk(fd, fcntl.F_WRLCK, _MUTEX)
-            ):
-                continue
-            try:
-                # Under the mutex, again: a joiner may have attached meanwhile.
-                if os.fstat(fd).st_nlink == 0 or _held_by_others(fd, _LIVE):
-                    continue
-                magic = os.pread(fd, len(_MAGIC), 0)
-                # kvtier's header, or nothing yet (its creator died before writing it).
-                if magic != _MAGIC and magic.strip(b"\0"):
-                    continue
-                h = _read_header(fd)
-                if not dry_run:
-                    _unlink_names(path, fd, None if h is None else h.data_path)
-                reaped.append(path)
-            finally:
-                _release_mutex(fd)
-        except OSError:  # pragma: no cover - removed or changed under us
-            continue
-        finally:
-            os.close(fd)
-    return reaped
+
+    def idle(fd: int, st: os.stat_result) -> bool:
+        if now - st.st_mtime < older_than or _held_by_others(fd, _LIVE):
+            return False
+        magic = os.pread(fd, len(_MAGIC), 0)
+        # kvtier's header, or nothing yet (its creator died before writing it).
+        return magic == _MAGIC or not magic.strip(b"\0")
+
+    def remove(path: str, fd: int) -> None:
+        h = _read_header(fd)
+        _unlink_names(path, fd, None if h is None else h.data_path)
+
+    return reap_files(
+        directory,
+        lambda name: name.startswith(FILE_PREFIX) and name.startswith(prefix),
+        mutex=_MUTEX,
+        idle=idle,
+        remove=remove,
+        dry_run=dry_run,
+    )
 
 
 def detach(att: Attachment) -> None:

@@ -6,9 +6,10 @@ is one over ``mmap`` and ``shm_open``:
 * files (:mod:`kvtier.shm._files`): open-file-description locks on single
   bytes of a shared file (a liveness signal no pid can fake), the loop that
   creates a named shared file (unnamed first, linked once made) or joins it,
-  the allocation of its bytes, and the checks every such file passes before
-  it is mapped: this user's own private regular file, in a directory nobody
-  else can replace it in (:class:`~kvtier.errors.UnsafeSharedFileError`);
+  the allocation of its bytes, the one reaper of files nobody holds, and the
+  checks every such file passes before it is mapped: this user's own private
+  regular file, in a directory nobody else can replace it in
+  (:class:`~kvtier.errors.UnsafeSharedFileError`);
 * mappings (:mod:`kvtier.shm._mmap`): ``mmap(2)`` at an aligned address,
   ``madvise``, population of pages, the machine's page sizes and memory.
 
@@ -28,7 +29,9 @@ from kvtier.shm._files import (
     held_by_others,
     loose_mode,
     open_shared,
+    reap_files,
     release,
+    same_file,
     set_lock,
 )
 from kvtier.shm._mmap import (
@@ -67,8 +70,10 @@ __all__ = [
     "munmap",
     "open_shared",
     "populate",
+    "reap_files",
     "release",
     "round_up",
+    "same_file",
     "set_lock",
     "thp_honours_madvise",
 ]

@@ -42,7 +42,9 @@ __all__ = [
     "held_by_others",
     "loose_mode",
     "open_shared",
+    "reap_files",
     "release",
+    "same_file",
     "set_lock",
 ]
 
@@ -278,3 +280,76 @@ def check_directory(directory: str, what: str) -> None:
             "(mode 0700) or a sticky one such as /dev/shm",
             directory,
         )
+
+
+# -- removing what nobody holds -------------------------------------------------------------------
+
+
+def same_file(path: str, fd: int) -> bool:
+    """Whether ``path`` (not followed if a link) still names the file open at ``fd``."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def reap_files(
+    directory: str,
+    accept: Callable[[str], bool],
+    *,
+    mutex: int,
+    idle: Callable[[int, os.stat_result], bool],
+    remove: Callable[[str, int], None],
+    dry_run: bool = False,
+) -> list[str]:
+    """Remove this user's shared files in ``directory`` that nobody holds; their paths.
+
+    The one way kvtier's shared files (the CPU region's, the host tier's) are
+    reaped. A file goes only when its name passes ``accept``, it is a regular
+    file of this user, ``idle(fd, stat)`` says nobody holds it (its liveness
+    locks free, its header kvtier's), and its ``mutex`` byte can be locked
+    without waiting (nobody is joining or closing it); then, under that
+    mutex, it is checked again (still linked, still idle) and ``remove(path,
+    fd)`` unlinks it (``dry_run``: only listed). Every open is
+    :data:`OPEN_FLAGS`: a link is not followed, a FIFO does not block.
+    Anything else, another user's files included, stays.
+    """
+    reaped: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:  # pragma: no cover - no such directory
+        return reaped
+    for name in names:
+        if not accept(name):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, OPEN_FLAGS)
+        except OSError:
+            continue  # gone, another user's, not a file
+        try:
+            st = os.fstat(fd)
+            if (
+                not stat.S_ISREG(st.st_mode)
+                or st.st_uid != os.geteuid()
+                or not idle(fd, st)
+                or not set_lock(fd, fcntl.F_WRLCK, mutex)
+            ):
+                continue
+            try:
+                # Under the mutex, again: an instance may have attached meanwhile.
+                st = os.fstat(fd)
+                if st.st_nlink == 0 or not idle(fd, st):
+                    continue
+                if not dry_run:
+                    remove(path, fd)
+                reaped.append(path)
+            finally:
+                release(fd, mutex)
+        except OSError:  # pragma: no cover - removed or changed under us
+            continue
+        finally:
+            os.close(fd)
+    return reaped

@@ -34,7 +34,6 @@ import contextlib
 import fcntl
 import mmap
 import os
-import stat
 import struct
 import time
 import uuid
@@ -50,7 +49,6 @@ from kvtier.errors import (
     SharedRegionError,
 )
 from kvtier.shm import (
-    OPEN_FLAGS,
     PAGE_SIZE,
     acquire,
     allocate,
@@ -59,8 +57,10 @@ from kvtier.shm import (
     create_or_join,
     loose_mode,
     memory_bytes,
+    reap_files,
     release,
     round_up,
+    same_file,
 )
 from kvtier.shm import held_by_others as _held_by_others
 from kvtier.shm import set_lock as _setlk
@@ -566,17 +566,8 @@ def _join(
         release_mutex(fd)
 
 
-def _same_file(path: str, fd: int) -> bool:
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
-
-
 def _unlink(path: str, fd: int) -> None:
-    if _same_file(path, fd):
+    if same_file(path, fd):
         os.unlink(path)
 
 
@@ -600,43 +591,21 @@ def reap(
     (no instance is attached, whatever its state). Files under the prefix that
     are not host segments, and other users' files, stay.
     """
-    reaped: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:  # pragma: no cover - no such directory
-        return reaped
-    for name in names:
-        if not name.startswith(FILE_PREFIX):
-            continue
-        if namespace is not None and name != FILE_PREFIX + namespace.hex():
-            continue
-        path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, OPEN_FLAGS)
-        except OSError:
-            continue
-        try:
-            st = os.fstat(fd)
-            if (
-                not stat.S_ISREG(st.st_mode)
-                or st.st_uid != os.geteuid()
-                or others_live(fd, MAX_INSTANCES)
-                or not _setlk(fd, fcntl.F_WRLCK, _MUTEX)
-            ):
-                continue
-            try:
-                if os.fstat(fd).st_nlink == 0 or others_live(fd, MAX_INSTANCES):
-                    continue
-                magic = os.pread(fd, len(_MAGIC), 0)
-                if magic != _MAGIC:
-                    continue  # not ours (a creator links only a file with its header)
-                if not dry_run:
-                    _unlink(path, fd)
-                reaped.append(path)
-            finally:
-                release_mutex(fd)
-        except OSError:  # pragma: no cover - removed or changed under us
-            continue
-        finally:
-            os.close(fd)
-    return reaped
+    prefix = FILE_PREFIX if namespace is None else FILE_PREFIX + namespace.hex()
+
+    def idle(fd: int, _st: os.stat_result) -> bool:
+        # No slot lock held; kvtier's header (a creator links only a file with it).
+        return not others_live(fd, MAX_INSTANCES) and os.pread(fd, len(_MAGIC), 0) == _MAGIC
+
+    return reap_files(
+        directory,
+        (lambda name: name == prefix) if namespace is not None else _has_prefix,
+        mutex=_MUTEX,
+        idle=idle,
+        remove=_unlink,
+        dry_run=dry_run,
+    )
+
+
+def _has_prefix(name: str) -> bool:
+    return name.startswith(FILE_PREFIX)
