@@ -243,55 +243,18 @@ class CPURegion:
         TierIOError
             The kernel refused the mapping for another reason.
         """
-        if not isinstance(layout, KVLayout):
-            raise InvalidArgumentError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        _check_int("cpu_bytes_to_use", cpu_bytes_to_use, 1)
-        _check_int("world_size", world_size, 1)
-        if world_size > _shm.MAX_WORLD_SIZE:
-            raise InvalidArgumentError(
-                f"world_size must be at most {_shm.MAX_WORLD_SIZE}, got {world_size}"
-            )
-        if rank is None:
-            if shared_name is None:
-                raise InvalidArgumentError(
-                    "rank=None maps every worker's slice of a shared region: pass shared_name="
-                )
-        else:
-            _check_int("rank", rank, 0)
-            if rank >= world_size:
-                raise InvalidArgumentError(f"rank {rank} is not below world_size {world_size}")
-        if not isinstance(holder, bool):
-            raise InvalidArgumentError(f"holder must be a bool, got {holder!r}")
-        if holder and (rank is None or shared_name is None):
-            raise InvalidArgumentError(
-                "holder=True is for the ranks of a shared region (a rank and shared_name=) "
-                "whose holder (rank=None) may attach after them"
-            )
-        if instance is None:
-            instance = bytes(16)
-        if not isinstance(instance, bytes) or len(instance) != 16:
-            raise InvalidArgumentError(f"instance must be 16 bytes, got {instance!r}")
-        if isinstance(join_timeout, bool) or not isinstance(join_timeout, int | float):
-            raise InvalidArgumentError(f"join_timeout must be a number, got {join_timeout!r}")
-        if not (math.isfinite(join_timeout) and join_timeout >= 0):
-            raise InvalidArgumentError(f"join_timeout must be >= 0 and finite, got {join_timeout}")
-        if pin not in ("auto", "on", "off"):
-            raise InvalidArgumentError(f"pin must be 'auto', 'on' or 'off', got {pin!r}")
-        if alignment is None:
-            align = shm.PAGE_SIZE
-        else:
-            _check_int("alignment", alignment, 1)
-            if alignment & (alignment - 1):
-                raise InvalidArgumentError(f"alignment must be a power of two, got {alignment}")
-            align = max(alignment, shm.PAGE_SIZE)
-        if shared_name is None and world_size > 1:
-            raise InvalidArgumentError(
-                f"world_size={world_size} shares the region between processes: pass "
-                "shared_name= (the same for every worker of this instance)"
-            )
-        if shared_name is not None:
-            _shm.region_path(shared_name)  # validates before any work
-
+        align, instance = _checked_arguments(
+            layout,
+            cpu_bytes_to_use,
+            world_size,
+            rank,
+            shared_name,
+            instance,
+            holder,
+            alignment,
+            join_timeout,
+            pin,
+        )
         slice_bytes = layout.bytes_per_chunk
         row_stride = shm.round_up(world_size * slice_bytes, align)
         rows = cpu_bytes_to_use // row_stride
@@ -313,6 +276,39 @@ class CPURegion:
         self._attachment = None
         self._shared_name = shared_name
         length = rows * row_stride
+        addr, map_length, page_size, backing = self._map(
+            length, align, layout, instance, holder, float(join_timeout)
+        )
+        array, unpin = self._fault_in(addr, map_length, length, align, backing, pin)
+        self._addr, self._length = addr, length
+        self._backing = backing
+        self._created = self._attachment is None or self._attachment.created
+        self._page_size = page_size
+        self._array = array
+        self._mv = memoryview(array).cast("B")[:length]
+        # Unmap when the last view is gone, not when close() is called: a view
+        # must never point at unmapped memory. Not at exit: the OS unmaps then,
+        # and other finalizers may still read through views.
+        self._release = weakref.finalize(array, _release, addr, map_length, self._pins, unpin)
+        self._release.atexit = False
+        return self
+
+    def _map(
+        self,
+        length: int,
+        align: int,
+        layout: KVLayout,
+        instance: bytes,
+        holder: bool,
+        join_timeout: float,
+    ) -> tuple[int, int, int, Backing]:
+        """Map the rows: anonymous memory, or the shared file made or joined here.
+
+        Returns the address, the mapped length, the page size and the backing.
+        What failed is undone (the shared file detached) before it raises.
+        """
+        rows, row_stride, slice_bytes = self.rows, self.row_stride, self.slice_bytes
+        world_size, rank, shared_name = self.world_size, self.rank, self._shared_name
         # Large regions start on a huge page boundary so THP can back them from
         # the first byte; the extra address space is reserved only to find it.
         map_align = max(align, shm.PMD_SIZE) if length >= shm.PMD_SIZE else align
@@ -326,9 +322,7 @@ class CPURegion:
                     rows, row_stride, slice_bytes, align, world_size, layout.namespace, instance
                 )
                 try:
-                    att = _shm.attach(
-                        shared_name, geometry, rank, float(join_timeout), holder=holder
-                    )
+                    att = _shm.attach(shared_name, geometry, rank, join_timeout, holder=holder)
                 except UnsafeSharedFileError:
                     raise  # already names the file, its mode and its owner
                 except OSError as exc:
@@ -356,6 +350,17 @@ class CPURegion:
         except BaseException:
             self._detach()
             raise
+        return addr, map_length, page_size, backing
+
+    def _fault_in(
+        self, addr: int, map_length: int, length: int, align: int, backing: Backing, pin: PinMode
+    ) -> tuple[ctypes.Array[ctypes.c_uint8], Callable[[int], None]]:
+        """Fault every page in (huge pages advised where they help) and pin the rows.
+
+        Returns the mapping as a ctypes array and how to unpin it. What failed
+        is undone (unmapped, detached) before it raises.
+        """
+        row_stride, shared_name = self.row_stride, self._shared_name
         self._pins = []
         try:
             if addr % align:  # pragma: no cover - map_aligned guarantees it
@@ -380,18 +385,7 @@ class CPURegion:
                     f"could not fault in the {length}-byte CPU region: {exc}"
                 ) from exc
             raise
-        self._addr, self._length = addr, length
-        self._backing = backing
-        self._created = self._attachment is None or self._attachment.created
-        self._page_size = page_size
-        self._array = array
-        self._mv = memoryview(array).cast("B")[:length]
-        # Unmap when the last view is gone, not when close() is called: a view
-        # must never point at unmapped memory. Not at exit: the OS unmaps then,
-        # and other finalizers may still read through views.
-        self._release = weakref.finalize(array, _release, addr, map_length, self._pins, unpin)
-        self._release.atexit = False
-        return self
+        return array, unpin
 
     # -- access -------------------------------------------------------------------------
 
@@ -611,6 +605,70 @@ def reap_shared_regions(older_than: float = 0.0, *, dry_run: bool = False) -> li
     if isinstance(older_than, bool) or not isinstance(older_than, int | float) or older_than < 0:
         raise InvalidArgumentError(f"older_than must be seconds >= 0, got {older_than!r}")
     return _shm.reap(float(older_than), dry_run=dry_run)
+
+
+def _checked_arguments(
+    layout: object,
+    cpu_bytes_to_use: object,
+    world_size: int,
+    rank: int | None,
+    shared_name: str | None,
+    instance: bytes | None,
+    holder: object,
+    alignment: int | None,
+    join_timeout: object,
+    pin: object,
+) -> tuple[int, bytes]:
+    """:meth:`CPURegion.create`'s arguments checked: the rows' alignment and the instance."""
+    if not isinstance(layout, KVLayout):
+        raise InvalidArgumentError(f"layout must be a KVLayout, got {type(layout).__name__}")
+    _check_int("cpu_bytes_to_use", cpu_bytes_to_use, 1)
+    _check_int("world_size", world_size, 1)
+    if world_size > _shm.MAX_WORLD_SIZE:
+        raise InvalidArgumentError(
+            f"world_size must be at most {_shm.MAX_WORLD_SIZE}, got {world_size}"
+        )
+    if rank is None:
+        if shared_name is None:
+            raise InvalidArgumentError(
+                "rank=None maps every worker's slice of a shared region: pass shared_name="
+            )
+    else:
+        _check_int("rank", rank, 0)
+        if rank >= world_size:
+            raise InvalidArgumentError(f"rank {rank} is not below world_size {world_size}")
+    if not isinstance(holder, bool):
+        raise InvalidArgumentError(f"holder must be a bool, got {holder!r}")
+    if holder and (rank is None or shared_name is None):
+        raise InvalidArgumentError(
+            "holder=True is for the ranks of a shared region (a rank and shared_name=) "
+            "whose holder (rank=None) may attach after them"
+        )
+    if instance is None:
+        instance = bytes(16)
+    if not isinstance(instance, bytes) or len(instance) != 16:
+        raise InvalidArgumentError(f"instance must be 16 bytes, got {instance!r}")
+    if isinstance(join_timeout, bool) or not isinstance(join_timeout, int | float):
+        raise InvalidArgumentError(f"join_timeout must be a number, got {join_timeout!r}")
+    if not (math.isfinite(join_timeout) and join_timeout >= 0):
+        raise InvalidArgumentError(f"join_timeout must be >= 0 and finite, got {join_timeout}")
+    if pin not in ("auto", "on", "off"):
+        raise InvalidArgumentError(f"pin must be 'auto', 'on' or 'off', got {pin!r}")
+    if alignment is None:
+        align = shm.PAGE_SIZE
+    else:
+        _check_int("alignment", alignment, 1)
+        if alignment & (alignment - 1):
+            raise InvalidArgumentError(f"alignment must be a power of two, got {alignment}")
+        align = max(alignment, shm.PAGE_SIZE)
+    if shared_name is None and world_size > 1:
+        raise InvalidArgumentError(
+            f"world_size={world_size} shares the region between processes: pass "
+            "shared_name= (the same for every worker of this instance)"
+        )
+    if shared_name is not None:
+        _shm.region_path(shared_name)  # validates before any work
+    return align, instance
 
 
 def _check_memory(length: int, rows: int, row_stride: int) -> None:
