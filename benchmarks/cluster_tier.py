@@ -13,13 +13,17 @@ client run back to back, their order alternating between repeats so that
 neither always runs on a warmer cluster) before its median and its spread
 (min-max over the repeats) are printed. Target: ratio >= 0.9.
 
-Client CPU is seconds of this process (every thread) per GB moved; the
-servers are other processes. Then the cost of
+Client CPU is seconds of this process (every thread) per GB moved; server
+CPU the three servers' seconds per GB (``/proc/<pid>/stat``): on a machine
+whose cores the client and the servers share, a ratio is bounded by
+(server + bare client) / (server + tier client) CPU. Then the cost of
 :meth:`~kvtier.tiers.cluster.ClusterTier.lookup` per key (no I/O) and of
 :meth:`~kvtier.tiers.cluster.ClusterTier.refresh` (one pipelined EXISTS per
 node) per 32-key request and per key. ``load*`` is the tier with
 ``direct_reads=False`` (every GET reply read by redis-py, then copied into
-its row), the way loads went before the direct reader.
+its row), the way loads went before the direct reader; ``store*`` the tier
+with ``direct_writes=False`` (every SET through redis-py, which joins a
+pipeline into one ``bytes``), the way stores went before.
 
 Run: ``flock /tmp/kvtier-bench.lock nice -n 0 .venv/bin/python benchmarks/cluster_tier.py``.
 """
@@ -44,16 +48,32 @@ from kvtier.tiers.cluster import ClusterTier, ClusterTierConfig
 NAMESPACE = bytes(range(16))
 OPS = (
     ("store", "tier store", "bare SET"),
+    ("store*", "tier store via redis-py", "bare SET"),
     ("load", "tier load", "bare GET"),
     ("load*", "tier load via redis-py", "bare GET"),
 )
 
 
-async def timed(fn: Callable[[], Awaitable[Any]]) -> tuple[float, float]:
-    """Wall and CPU seconds of ``await fn()`` (CPU of this process, every thread)."""
-    c0, t0 = time.process_time(), time.perf_counter()
+SERVER_PIDS: list[int] = []
+"""The servers' process ids, for their CPU time."""
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu() -> float:
+    """CPU seconds (user and system) the servers used so far."""
+    total = 0
+    for pid in SERVER_PIDS:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / _TICK
+
+
+async def timed(fn: Callable[[], Awaitable[Any]]) -> tuple[float, float, float]:
+    """Wall, client CPU (this process, every thread) and server CPU seconds of ``await fn()``."""
+    s0, c0, t0 = server_cpu(), time.process_time(), time.perf_counter()
     await fn()
-    return time.perf_counter() - t0, time.process_time() - c0
+    return time.perf_counter() - t0, time.process_time() - c0, server_cpu() - s0
 
 
 class Bare:
@@ -105,10 +125,11 @@ class Bare:
 
 async def one_repeat(
     tier: ClusterTier, slow: ClusterTier, bare: Bare, rows: Rows, values: list[bytes], rep: int
-) -> dict[str, tuple[float, float]]:
-    """Wall and CPU seconds of each of the four operations, in an order set by ``rep``."""
+) -> dict[str, tuple[float, float, float]]:
+    """:func:`timed` of each operation, in an order set by ``rep``."""
     n, block = len(values), rows.block_bytes
     keys = block_keys(n, salt=(16 * (rep + 1) + (block >> 16) + 1) % 256)
+    keys2 = block_keys(n, salt=(16 * (rep + 1) + (block >> 16) + 9) % 256)  # store*'s own
     rkeys = [b"bare:" + k.hex().encode() for k in keys]
     out = Rows(n, block)
     out.map.write(bytes(n * block))  # resident, as a CPU region's rows are
@@ -125,9 +146,14 @@ async def one_repeat(
         result = await slow.load(keys, out.rows())
         assert len(result.loaded) == n, result.missing
 
+    async def slow_store() -> None:
+        result = await slow.store(keys2, rows.rows())
+        assert len(result.stored) == n, result.failed
+
     steps: dict[str, Callable[[], Awaitable[Any]]] = {
         "tier store": tier_store,
         "bare SET": lambda: bare.set(rkeys, values),
+        "tier store via redis-py": slow_store,
         "tier load": tier_load,
         "bare GET": lambda: bare.get(rkeys, HEADER_BYTES + block),
         "tier load via redis-py": slow_load,
@@ -136,29 +162,39 @@ async def one_repeat(
     # memory the first has already grown, the second reader warmer caches.
     order = list(steps)
     if rep % 2:
-        order = ["bare SET", "tier store", "tier load via redis-py", "bare GET", "tier load"]
+        order = [
+            "tier store via redis-py",
+            "bare SET",
+            "tier store",
+            "tier load via redis-py",
+            "bare GET",
+            "tier load",
+        ]
     times = {name: await timed(steps[name]) for name in order}
     tier.remove(keys)  # forget; the values are deleted below
-    await bare.delete(rkeys + [tier.key_of(k) for k in keys])
+    slow.remove(keys2)
+    await bare.delete(rkeys + [tier.key_of(k) for k in keys + keys2])
     await asyncio.sleep(0.05)  # the tier's own background DELs, before the next repeat
     return times
 
 
 async def run_size(
     tier: ClusterTier, slow: ClusterTier, bare: Bare, block: int, total: int, repeats: int
-) -> dict[str, list[tuple[float, float]]]:
-    """Per operation, (GB/s, CPU s/GB) of every repeat."""
+) -> dict[str, list[tuple[float, float, float]]]:
+    """Per operation, (GB/s, client CPU s/GB, server CPU s/GB) of every repeat."""
     n = max(1, total // block)
     rows = Rows(n, block)
     for i in range(n):
         rows.row(i)[:] = os.urandom(64) * (block // 64)
     values = [os.urandom(64) * ((HEADER_BYTES + block) // 64) for _ in range(n)]
     payload = n * block / 1e9
-    per_op: dict[str, list[tuple[float, float]]] = {}
+    per_op: dict[str, list[tuple[float, float, float]]] = {}
     await one_repeat(tier, slow, bare, rows, values, -1)  # warm-up: connections, allocator
     for rep in range(repeats):
-        for name, (wall, cpu) in (await one_repeat(tier, slow, bare, rows, values, rep)).items():
-            per_op.setdefault(name, []).append((payload / wall, cpu / payload))
+        for name, (wall, cpu, srv) in (
+            await one_repeat(tier, slow, bare, rows, values, rep)
+        ).items():
+            per_op.setdefault(name, []).append((payload / wall, cpu / payload, srv / payload))
     return per_op
 
 
@@ -192,6 +228,7 @@ async def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="repeats per size (medians)")
     args = parser.parse_args()
     with ValkeyCluster.start(3) as cluster:
+        SERVER_PIDS[:] = [p.pid for p in cluster.procs if p is not None]
         config = ClusterTierConfig(nodes=[f"{h}:{p}" for h, p in cluster.startup])
         client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cluster.startup])
         await client.initialize()
@@ -203,13 +240,14 @@ async def main() -> None:
         )
         print(
             f"{'block':>8} {'op':<6} {'tier GB/s':>10} {'bare GB/s':>10} {'ratio':>6} "
-            f"{'min-max':>10} {'tier cpu s/GB':>14} {'bare cpu s/GB':>14}"
+            f"{'min-max':>10} {'tier cpu s/GB':>14} {'bare cpu s/GB':>14} "
+            f"{'srv cpu s/GB':>12} {'(bare)':>7}"
         )
         for block in (256 << 10, 2 << 20):
             tier = await ClusterTier.open(config, NAMESPACE, block_bytes=block)
-            # The same blocks read through redis-py (direct_reads off): what
-            # the direct reader gains, in the same run.
-            slow_config = config.model_copy(update={"direct_reads": False})
+            # The same blocks read and written through redis-py (direct
+            # connections off): what they gain, in the same run.
+            slow_config = config.model_copy(update={"direct_reads": False, "direct_writes": False})
             slow = await ClusterTier.open(slow_config, NAMESPACE, block_bytes=block)
             s = await run_size(tier, slow, bare, block, args.mib << 20, args.repeats)
             for op, t, b in OPS:
@@ -218,14 +256,15 @@ async def main() -> None:
                     f"{block >> 10:>6}Ki {op:<6} {med([x[0] for x in s[t]]):>10.2f} "
                     f"{med([x[0] for x in s[b]]):>10.2f} {med(ratios):>6.2f} "
                     f"{min(ratios):>4.2f}-{max(ratios):<4.2f} "
-                    f"{med([x[1] for x in s[t]]):>14.2f} {med([x[1] for x in s[b]]):>14.2f}"
+                    f"{med([x[1] for x in s[t]]):>14.2f} {med([x[1] for x in s[b]]):>14.2f} "
+                    f"{med([x[2] for x in s[t]]):>12.2f} {med([x[2] for x in s[b]]):>7.2f}"
                 )
             if block == 256 << 10:
                 lookup_ns, req_us, key_us = await lookup_costs(tier)
             await tier.aclose()
             await slow.aclose()
         await client.aclose()
-        print("load*: the tier with direct_reads=False (redis-py reads every reply)")
+        print("store*, load*: the tier with direct_writes=False, direct_reads=False (redis-py)")
         print(f"lookup (presence set, no I/O): {lookup_ns:.0f} ns per key")
         print(
             f"refresh (pipelined EXISTS, 32-key request): {req_us:.0f} µs per request, "

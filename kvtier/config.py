@@ -462,6 +462,11 @@ class ClusterTierConfig(_Frozen):
     instead of through redis-py, which allocates and copies every reply:
     measured at 1.5-1.8x the throughput and a third of the client CPU here.
     Redirected keys are read again through redis-py either way."""
+    direct_writes: bool = True
+    """Stores send each value (header, then its CPU row) on those connections,
+    the row handed to the socket where it lies, instead of through redis-py,
+    which joins a pipeline into one ``bytes`` that asyncio copies again.
+    Redirected keys are written again through redis-py either way."""
     presence_capacity: int = Field(default=1 << 20, ge=1, le=1 << 30)
     """Keys remembered as present by this instance (least recently used dropped
     first): what :meth:`~kvtier.tiers.cluster.ClusterTier.lookup` answers from."""

@@ -48,13 +48,14 @@ class _OnServers(TierSuite):
 
 
 class TestClusterTier(_OnServers):
-    """On the session's three-node cluster (loads read replies straight into rows)."""
+    """On the session's three-node cluster (the tier's own connections: stores
+    sent from the rows, loads received straight into them)."""
 
 
-class TestClusterTierReadingThroughRedisPy(_OnServers):
-    """On the session's cluster, every reply read by redis-py (``direct_reads=False``)."""
+class TestClusterTierThroughRedisPy(_OnServers):
+    """On the session's cluster, every value written and every reply read by redis-py."""
 
-    options: ClassVar[dict[str, Any]] = {"direct_reads": False}
+    options: ClassVar[dict[str, Any]] = {"direct_reads": False, "direct_writes": False}
 
 
 class TestSingleServerTier(_OnServers):

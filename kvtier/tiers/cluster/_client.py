@@ -44,6 +44,7 @@ from typing import Any
 
 from redis import exceptions as rx
 from redis._parsers import AsyncCommandsParser
+from redis._parsers.base import BaseParser
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection
@@ -53,7 +54,7 @@ from redis.backoff import NoBackoff
 from kvtier.config import ClusterTierConfig
 from kvtier.errors import CapacityError, KVTierError, TierIOError
 from kvtier.tiers.block_format import HEADER_BYTES
-from kvtier.tiers.cluster._reader import DirectReader, Reply, direct_ssl_context
+from kvtier.tiers.cluster._reader import BulkError, DirectConnections, Reply, direct_ssl_context
 
 __all__ = [
     "ClusterClient",
@@ -68,6 +69,9 @@ __all__ = [
 log = logging.getLogger("kvtier.cluster_tier")
 
 Command = tuple[Any, ...]
+Value = tuple[bytes, memoryview, memoryview]
+"""A value to SET: the server key, the block's header, its payload (a row)."""
+_REDIRECTS = (rx.MovedError, rx.AskError, rx.TryAgainError)
 
 
 class Parts:
@@ -164,7 +168,10 @@ def map_error(exc: BaseException, node: str, faults: Faults) -> KVTierError:
     elif isinstance(exc, rx.NoPermissionError):
         faults.other += 1
         err, what = errno.EACCES, "command refused by the user's ACL (NOPERM)"
-    elif isinstance(exc, rx.ResponseError) and str(exc).startswith("OOM"):
+    elif isinstance(exc, rx.OutOfMemoryError) or (
+        # redis-py's parser strips the "OOM " of the reply from the message
+        isinstance(exc, rx.ResponseError) and str(exc).startswith("OOM")
+    ):
         return CapacityError(f"node {node} is out of memory (maxmemory, noeviction)")
     else:
         faults.other += 1
@@ -228,11 +235,11 @@ class ClusterClient:
         self,
         config: ClusterTierConfig,
         client: Redis | RedisCluster,
-        reader: DirectReader | None = None,
+        direct: DirectConnections | None = None,
     ) -> None:
         self._config = config
         self._client = client
-        self._reader = reader
+        self._direct = direct
         self._cluster = isinstance(client, RedisCluster)
         self._max_bytes = int(config.max_inflight_bytes)
         self._timeout = config.timeout_s
@@ -362,10 +369,70 @@ class ClusterClient:
 
         return await self._guarded(node, send)
 
+    async def set_values(self, node: str, make: Callable[[], Sequence[Value]]) -> list[Any]:
+        """SET the values ``make()`` returns on ``node`` in one pipeline; one result each.
+
+        ``make`` is called once the pipeline may go (as for :meth:`run`). With
+        ``direct_writes`` the values go out on the tier's own connection,
+        header then row, sent from where they lie; the keys answered with
+        MOVED, ASK or TRYAGAIN are sent again through redis-py, which follows
+        them. Otherwise through redis-py, each value as :class:`Parts`.
+
+        Returns
+        -------
+        list
+            Per value, in order: True (stored), or the error of its command
+            (for :meth:`error`; a redirected value's is its second try's).
+
+        Raises
+        ------
+        KVTierError
+            When the whole pipeline failed (connection, timeout, the node
+            down): any value may or may not be stored, and no buffer is read
+            after this returns.
+        """
+        direct = self._direct
+        if direct is None or not self._config.direct_writes:
+            return await self.run(
+                node, lambda: [("SET", key, Parts(head, row)) for key, head, row in make()]
+            )
+        values: list[Value] = []
+
+        async def send() -> list[Reply]:
+            values.extend(make())
+            return await direct.set_from(node, values)
+
+        replies = await self._guarded(node, send)
+        out: list[Any] = []
+        again: list[int] = []
+        for i, reply in enumerate(replies):
+            if reply is None:
+                out.append(True)
+                continue
+            if isinstance(reply, BulkError):
+                # The exception redis-py's own parser makes of the reply, as
+                # a pipeline through redis-py would have returned it.
+                exc: BaseException = BaseParser.parse_error(reply.text)  # type: ignore[no-untyped-call]
+                if isinstance(exc, _REDIRECTS):
+                    again.append(i)
+            else:  # a SET answers +OK or an error, nothing else
+                exc = rx.ResponseError(f"unexpected reply to SET: {type(reply).__name__}")
+            out.append(exc)
+        if again:
+            try:
+                redone: list[Any] = await self.run(
+                    node, [("SET", values[i][0], Parts(*values[i][1:])) for i in again]
+                )
+            except KVTierError as exc:  # only these keys failed; the others stand
+                redone = [exc] * len(again)
+            for i, result in zip(again, redone, strict=True):
+                out[i] = result
+        return out
+
     @property
     def direct(self) -> bool:
         """True when loads read replies straight into rows (:meth:`get_into`)."""
-        return self._reader is not None
+        return self._direct is not None and self._config.direct_reads
 
     async def get_into(
         self, node: str, rkeys: Sequence[bytes], rows: Sequence[memoryview]
@@ -381,10 +448,10 @@ class ClusterClient:
             When the whole pipeline failed (connection, timeout): the rows
             hold no valid data, and none is written after this returns.
         """
-        reader = self._reader
-        if reader is None:
+        direct = self._direct
+        if direct is None:
             raise RuntimeError("direct reads are off")
-        return await self._guarded(node, lambda: reader.get_into(node, rkeys, rows))
+        return await self._guarded(node, lambda: direct.get_into(node, rkeys, rows))
 
     async def _guarded(self, node: str, send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
         """``send()`` under ``node``'s bound on pipelines in flight and its timeout."""
@@ -411,8 +478,8 @@ class ClusterClient:
             return
         outage = self._down[node] = _Outage(reason)
         self.faults.outages += 1
-        if self._reader is not None:
-            self._reader.drop(node)
+        if self._direct is not None:
+            self._direct.drop(node)
         c = self._config
         if node == self._everyone:
             log.warning(
@@ -604,8 +671,8 @@ class ClusterClient:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._reader is not None:
-            await self._reader.aclose()
+        if self._direct is not None:
+            await self._direct.aclose()
         await self._client.aclose()
 
 
@@ -716,9 +783,9 @@ async def open_client(config: ClusterTierConfig, *, strict: bool = True) -> Clus
         answer (``ECONNREFUSED``, ``ETIMEDOUT``).
     """
     client = make_client(config)
-    reader = None
-    if config.direct_reads:
-        reader = DirectReader(
+    direct = None
+    if config.direct_reads or config.direct_writes:
+        direct = DirectConnections(
             header_bytes=HEADER_BYTES,
             username=config.username,
             password=None if config.password is None else config.password.get_secret_value(),
@@ -732,7 +799,7 @@ async def open_client(config: ClusterTierConfig, *, strict: bool = True) -> Clus
             ),
             connect_timeout_s=config.connect_timeout_s,
         )
-    out = ClusterClient(config, client, reader)
+    out = ClusterClient(config, client, direct)
     try:
         await out.start(strict)
     except BaseException:

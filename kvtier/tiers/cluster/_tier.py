@@ -55,15 +55,19 @@ from kvtier.keys import KEY_BYTES, check_keys
 from kvtier.layout import KVLayout
 from kvtier.tiers import block_format
 from kvtier.tiers.base import LoadResult, StoreResult, Tier
-from kvtier.tiers.block_format import HEADER_BYTES, HeaderError, decode_header_fields
-from kvtier.tiers.block_format import encode_header_fields as _encode
+from kvtier.tiers.block_format import (
+    HEADER_BYTES,
+    VERIFY_OK,
+    HeaderError,
+    decode_header_fields,
+)
 from kvtier.tiers.cluster._reader import BulkError
 from kvtier.transfer.completion import Completion
 
 if TYPE_CHECKING:
     # The client module imports redis (the optional ``cluster`` extra): loaded
     # only when a tier opens, so the engine imports without it.
-    from kvtier.tiers.cluster._client import ClusterClient, Parts
+    from kvtier.tiers.cluster._client import ClusterClient, Value
 
 __all__ = ["ClusterTier", "ClusterTierConfig", "ClusterTierStatistics"]
 
@@ -195,10 +199,13 @@ class ClusterTier(Tier):
 
     **Buffers.** Any contiguous buffer of ``block_bytes`` bytes (no alignment
     needed). Stores send the payload from the buffer itself, after its
-    header (:class:`~kvtier.tiers.cluster._client.Parts`: no copy by the
-    tier; Python 3.11's transport joins what one write sends, as for any
-    redis-py value); loads copy the verified payload once from the reply
-    (redis-py allocates every reply).
+    header: with ``direct_writes`` the socket takes it from the buffer
+    (:meth:`~kvtier.tiers.cluster._reader.DirectConnections.set_from`),
+    otherwise redis-py's transport joins what one write sends
+    (:class:`~kvtier.tiers.cluster._client.Parts`). Loads receive the payload
+    straight into the buffer with ``direct_reads``, otherwise copy the
+    verified payload once from redis-py's reply. No buffer is read or written
+    after its transfer returned.
     """
 
     def __init__(
@@ -220,9 +227,6 @@ class ClusterTier(Tier):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._counts = _Counters()
-        from kvtier.tiers.cluster._client import Parts  # the client is open: redis is there
-
-        self._parts = Parts
 
     # -- opening ------------------------------------------------------------------------
 
@@ -472,13 +476,15 @@ class ClusterTier(Tier):
             stamp = int(time.time())
 
             async def one(node: str, idx: list[int]) -> None:
-                def commands() -> list[tuple[Any, ...]]:
-                    # Made when the pipeline may go: each header is computed
-                    # (the payload's checksum) just before it is sent.
-                    return [("SET", rkeys[i], self._value(keys[i], views[i], stamp)) for i in idx]
+                def values() -> list[Value]:
+                    # Made when the pipeline may go: the headers (the payloads'
+                    # checksums) are computed just before they are sent.
+                    payloads = [views[i] for i in idx]
+                    heads = self._headers([keys[i] for i in idx], payloads, stamp)
+                    return [(rkeys[i], h, v) for i, h, v in zip(idx, heads, payloads, strict=True)]
 
                 try:
-                    res = await self._client.run(node, commands)
+                    res = await self._client.set_values(node, values)
                 except KVTierError as exc:
                     for i in idx:
                         failed[keys[i]] = exc
@@ -504,12 +510,14 @@ class ClusterTier(Tier):
         c.bytes_written += len(stored) * self._block_bytes
         return StoreResult(stored=tuple(stored), skipped=skipped, failed=failed)
 
-    def _value(self, key: bytes, payload: memoryview, stamp: int) -> Parts:
-        header = memoryview(bytearray(HEADER_BYTES))
-        _encode(
-            header, key, self._namespace, self._block_bytes, block_format.checksum(payload), stamp
-        )
-        return self._parts(header, payload)
+    def _headers(
+        self, keys: list[bytes], payloads: list[memoryview], stamp: int
+    ) -> list[memoryview]:
+        """The sealed headers of ``payloads``: two compiled calls for a pipeline's blocks."""
+        heads = [memoryview(bytearray(HEADER_BYTES)) for _ in keys]
+        sums = block_format.checksums(payloads)  # the GIL released once for all
+        block_format.seal_headers(heads, keys, self._namespace, self._block_bytes, sums, stamp)
+        return heads
 
     # -- load ---------------------------------------------------------------------------
 
@@ -619,6 +627,16 @@ class ClusterTier(Tier):
 
     def _verify(self, key: bytes, header: memoryview, payload: memoryview) -> KVTierError | None:
         """Check ``header`` and ``payload`` as ``key``'s block; why not."""
+        # One compiled call for a sound block; the reasons below for the others.
+        if block_format.verify_block(header, key, self._namespace, payload) == VERIFY_OK:
+            return None
+        problem = self._refusal(key, header, payload)
+        if problem is None:  # refused all the same: never served
+            problem = IntegrityError("block failed verification", self.key_of(key).decode())
+        return problem
+
+    def _refusal(self, key: bytes, header: memoryview, payload: memoryview) -> KVTierError | None:
+        """Why ``header`` and ``payload`` are not ``key``'s block (None: no reason found)."""
         where = self.key_of(key).decode()
         try:
             hkey, ns, nbytes, _at, pcheck = decode_header_fields(header)
