@@ -78,7 +78,7 @@ the tokens served from vLLM's own prefix cache
 (``vllm:prefix_cache_hits_total``), through the connector
 (``vllm:external_prefix_cache_hits_total``), and by kvtier's tiers
 (``kvtier_read_blocks_total{tier="cpu"}``: blocks copied from kvtier's CPU
-rows into vLLM's KV cache; of those, ``kvtier_promotions_total{tier="file"}``
+rows into vLLM's KV cache; of those, ``kvtier_read_blocks_total{tier="file"}``
 were first read from the file tier), all from ``/metrics`` before and after
 the phase; and kvtier's own CPU time: the threads named ``kvtier-*`` (this
 directory's ``_serving_site/sitecustomize.py`` gives them their names in the
@@ -568,9 +568,11 @@ class Server:
             return {}
         file = (record.get("tiers") or {}).get("file") or {}
         return {
-            "recompute_s_per_block": record.get("recompute_s_per_block"),
-            "file_read_s_per_block": file.get("read_s_per_block"),
-            "loads_declined": record.get("loads_declined"),
+            "recompute_s_per_block": record.get("recompute_seconds_per_block"),
+            "file_read_s_per_block": file.get("read_seconds_per_block"),
+            "loads_declined": sum(
+                tier.get("loads_declined") or 0 for tier in (record.get("tiers") or {}).values()
+            ),
         }
 
     def tree(self) -> set[int]:
@@ -750,15 +752,15 @@ _COUNTERS = (
     "vllm:generation_tokens_total",
     "vllm:num_preemptions_total",
     "kvtier_read_blocks_total{cpu}",
-    "kvtier_promotions_total{file}",
+    "kvtier_read_blocks_total{file}",
     "kvtier_read_bytes_total{cpu}",
     "kvtier_read_bytes_total{file}",
     "kvtier_written_bytes_total{cpu}",
     "kvtier_written_bytes_total{file}",
     "kvtier_lookup_row_limit_misses_total",
-    "kvtier_store_refusals_total{cpu}",
+    "kvtier_store_refusals_total",
     "kvtier_lookup_deadline_misses_total",
-    "kvtier_loads_declined_total",
+    "kvtier_loads_declined_total{file}",
 )
 
 
@@ -965,14 +967,14 @@ def summarize(phases: Sequence[Phase], configs: Sequence[str]) -> list[Row]:
                     vllm_cache_tokens=m["vllm:prefix_cache_hits_total"],
                     connector_tokens=m["vllm:external_prefix_cache_hits_total"],
                     kvtier_cpu_tokens=m["kvtier_read_blocks_total{cpu}"] * BLOCK,
-                    kvtier_file_tokens=m["kvtier_promotions_total{file}"] * BLOCK,
+                    kvtier_file_tokens=m["kvtier_read_blocks_total{file}"] * BLOCK,
                     kvtier_cpu_s=sum(p.kvtier_cpu_s for p in ps) / n,
                     kvtier_gb=moved / 1e9,
                     engine_cpu_s=sum(p.engine_cpu_s for p in ps) / n,
                     equal=sum(1 for k in compared if list(k[4]) == reference[k[:4]]),
                     compared=len(compared),
                     disturbed=sum(1 for p in ps if p.disturbed),
-                    declined=m.get("kvtier_loads_declined_total", 0.0),
+                    declined=m.get("kvtier_loads_declined_total{file}", 0.0),
                     deadline_misses=m.get("kvtier_lookup_deadline_misses_total", 0.0),
                     decision=ps[-1].decision,
                 )

@@ -64,7 +64,7 @@ async def main(nodes: list[str], tmp: Path) -> None:
         cluster, file = tiers["cluster"], tiers["file"]
         print(f"second instance: {hits} blocks found in the cluster, {loaded} loaded")
         print(
-            f"cluster tier: {cluster.blocks_out} blocks read, "
+            f"cluster tier: {cluster.read_blocks} blocks read, "
             f"{cluster.statistics.verification_failures} refused, "
             f"{cluster.statistics.round_trips} round trips; "
             f"file tier now holds {file.statistics.blocks} blocks"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvtier.chain import FrontStatistics, TierReport
 from kvtier.config import ClusterTierConfig, FileTierConfig, KVTierConfig
-from kvtier.engine import Engine, StoreSummary
+from kvtier.engine import Engine, EngineCounts, StoreSummary
 from kvtier.errors import (
     AlignmentError,
     BlockNotFoundError,
@@ -48,6 +48,7 @@ __all__ = [
     "ConfigurationError",
     "DirectIOUnsupportedError",
     "Engine",
+    "EngineCounts",
     "FileTierConfig",
     "FrontStatistics",
     "IntegrityError",

@@ -1,13 +1,33 @@
-"""kvtier's tiers as Prometheus metrics: one catalogue, two fronts.
+"""kvtier's tiers as Prometheus metrics: one vocabulary, two fronts.
+
+A figure keeps one name from the record that counts it to its series: the
+field ``read_blocks`` of :class:`~kvtier.chain.TierReport` is the series
+``kvtier_read_blocks_total{tier="file"}``. Each series is derived from a
+record's field, never written out by hand:
+
+* ``kvtier_`` + the field's name, and ``_total`` for a counter;
+* one table per record (:data:`TIER_FIGURES`, :data:`FRONT_FIGURES`,
+  :data:`ENGINE_FIGURES`, the vLLM front's beside its own record) gives each
+  field its kind and ``# HELP`` line, and :func:`record_metrics` checks that
+  it names every field of the record and nothing else;
+* the records, one per level: a tier's :class:`~kvtier.chain.TierReport`
+  (the chain's counts for it), labelled by ``tier``; a front's
+  :class:`~kvtier.chain.FrontStatistics` and its own record (the Engine's
+  :class:`~kvtier.EngineCounts`, the vLLM front's ``VLLMCounts``), without;
+* a tier's own record (``FileTierStatistics``...) names the figures only it
+  measures by their series names itself (:meth:`HasMetrics.metric_figures
+  <kvtier.tiers.base.HasMetrics.metric_figures>`); :data:`OWN_FIGURES` gives
+  them their ``# HELP`` lines (a counter's name ends in ``_total``).
 
 The same names, labels and meanings reach Prometheus from either front, so one
 dashboard serves both (docs/operations.md, "Metrics", lists them all):
 
 * **inside vLLM**, :class:`~kvtier.integrations.vllm.spec.KVTierOffloadingSpec`
-  declares :data:`METRICS` through vLLM's ``build_metric_definitions`` and its
-  manager reports them from ``get_stats`` (a :class:`DeltaReporter` turns its
-  totals into what vLLM's stats object takes); vLLM publishes them on its own
-  ``/metrics``, with its ``model_name`` and ``engine`` labels added;
+  declares :data:`METRICS` (and the vLLM front's own) through vLLM's
+  ``build_metric_definitions`` and its manager reports them from ``get_stats``
+  (a :class:`DeltaReporter` turns its totals into what vLLM's stats object
+  takes); vLLM publishes them on its own ``/metrics``, with its
+  ``model_name`` and ``engine`` labels added;
 * **beside an** :class:`~kvtier.Engine`, :class:`KVTierCollector` reads
   :meth:`Engine.statistics() <kvtier.Engine.statistics>` at each scrape
   (``prometheus_client``, the optional ``kvtier[metrics]`` extra)::
@@ -17,11 +37,10 @@ dashboard serves both (docs/operations.md, "Metrics", lists them all):
       server, _thread = serve_metrics(engine, 9400)  # GET :9400/metrics
 
 A tier of the chain is a value of the ``tier`` label (``cpu``, ``file``,
-``cluster``), never a metric of its own. Every figure of one tier is a field of
-:class:`TierMetrics` and its metric is ``kvtier_`` + the field's name, so the
-``metrics`` section of the vLLM front's ``statistics_file`` (JSON) carries the
-same names. Counters end in ``_total``; sizes are bytes and times seconds.
-Each :class:`MetricSpec` says which fronts report it (``fronts``).
+``cluster``), never a metric of its own. The ``metrics`` section of the vLLM
+front's ``statistics_file`` (JSON) carries the same names. Sizes are bytes
+and times seconds. Each :class:`MetricSpec` says which fronts report it
+(``fronts``).
 
 ``prometheus_client`` is imported only by :class:`KVTierCollector` and the
 functions built on it: ``import kvtier`` never needs it, nor does the vLLM
@@ -33,13 +52,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, fields, replace
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
+from kvtier.chain import FrontStatistics, TierReport
+from kvtier.engine import EngineCounts
 from kvtier.errors import ConfigurationError
 from kvtier.manager import ManagerStatistics
-from kvtier.tiers.base import HasMetrics, TierStatistics
+from kvtier.tiers.base import HasMetrics
 
 if TYPE_CHECKING:
     import threading
@@ -48,35 +69,36 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import CollectorRegistry
 
-    from kvtier.chain import FrontStatistics, TierReport
     from kvtier.engine import Engine
 
 __all__ = [
-    "DEADLINE_MISSES",
-    "EVENTS_DROPPED",
-    "EVENTS_PUBLISHED",
-    "LOADS_DECLINED",
-    "LOAD_SHORTFALLS",
+    "ENGINE_FIGURES",
+    "ENGINE_METRICS",
+    "FRONT_FIGURES",
+    "FRONT_METRICS",
     "LOOKUPS",
     "METRICS",
+    "OWN_FIGURES",
+    "OWN_METRICS",
     "READ_DURATION",
     "RECOVERY_STATES",
-    "ROW_LIMIT_MISSES",
+    "TIER_FIGURES",
     "TIER_METRICS",
     "WRITE_DURATION",
     "DeltaReporter",
+    "Figure",
     "KVTierCollector",
     "MetricSpec",
     "Samples",
     "StatsSink",
-    "TierMetrics",
     "as_json",
     "engine_samples",
-    "engine_tiers",
+    "front_samples",
+    "own_figures",
+    "record_metrics",
     "register_engine_metrics",
-    "samples",
+    "series_name",
     "serve_metrics",
-    "tier_metrics",
 ]
 
 RECOVERY_STATES = ("running", "complete", "failed")
@@ -107,118 +129,119 @@ class MetricSpec:
     """A histogram's upper bounds, in seconds."""
     fronts: tuple[Front, ...] = _BOTH
     """The fronts that report it: ``engine`` (:class:`KVTierCollector`), ``vllm``."""
+    field: str | None = None
+    """The record field (or a tier's own figure) it reports; None for a histogram."""
 
 
 @dataclass(frozen=True, slots=True)
-class TierMetrics:
-    """One tier's figures, each the value of the metric ``kvtier_<field>{tier=...}``.
+class Figure:
+    """What a record's field is, for Prometheus: its kind and its ``# HELP`` line."""
 
-    None where this tier, or the front reporting it, has no such figure: no
-    sample is reported then (not a zero). Counters count since the tier (or
-    the front) was opened.
+    kind: Literal["counter", "gauge"]
+    """A counter (its series gets ``_total``) or a gauge."""
+    documentation: str
+    """The ``# HELP`` text (the record's docstring says more)."""
+
+
+def _counter(documentation: str) -> Figure:
+    return Figure("counter", documentation)
+
+
+def _gauge(documentation: str) -> Figure:
+    return Figure("gauge", documentation)
+
+
+def series_name(field: str, kind: Kind) -> str:
+    """The series of a record's field: ``kvtier_`` + its name, ``_total`` for a counter."""
+    return "kvtier_" + field + ("_total" if kind == "counter" else "")
+
+
+def record_metrics(
+    record: type[Any],
+    table: Mapping[str, Figure],
+    *,
+    labelnames: tuple[str, ...] = (),
+    fronts: tuple[Front, ...] = _BOTH,
+    skip: tuple[str, ...] = (),
+) -> tuple[MetricSpec, ...]:
+    """One metric per field of the dataclass ``record`` (but ``skip``), in field order.
+
+    Raises
+    ------
+    ValueError
+        ``table`` does not name exactly the fields of ``record`` (but ``skip``).
     """
-
-    lookup_hits_total: int | None = None
-    """Looked-up keys this tier served (the CPU tier: ready in a row; a lower
-    tier: read into a row for the lookup): over ``kvtier_lookups_total``, the
-    share of lookups each tier serves."""
-    read_blocks_total: int | None = None
-    """Blocks read out of this tier: CPU rows copied to the device (loads); a
-    lower tier's blocks read into CPU rows (promotions)."""
-    read_bytes_total: int | None = None
-    """Payload bytes of ``read_blocks_total``."""
-    written_blocks_total: int | None = None
-    """Blocks written into this tier: device blocks copied into CPU rows
-    (stores); CPU rows written to a lower tier (write-through, write-back)."""
-    written_bytes_total: int | None = None
-    """Payload bytes of ``written_blocks_total``."""
-    read_busy_seconds_total: float | None = None
-    """Time during which at least one read of this tier ran (overlapping reads
-    count once): ``rate(read_bytes) / rate(read_busy_seconds)`` is the
-    throughput while busy. Engine front."""
-    write_busy_seconds_total: float | None = None
-    """The same for writes. Engine front."""
-    promotions_total: int | None = None
-    """Blocks of this lower tier promoted into the CPU tier (read and verified)."""
-    promotion_failures_total: int | None = None
-    """Blocks a read from this lower tier did not deliver (absent, vanished,
-    failed verification, I/O error): each is a miss, recomputed."""
-    store_refusals_total: int | None = None
-    """Blocks offered to the CPU tier that it had no row for: every row
-    pinned by loads or held by writes in flight."""
-    write_failures_total: int | None = None
-    """Blocks whose write into this lower tier failed or could not start (I/O
-    error, no room, the tier still recovering)."""
-    integrity_failures_total: int | None = None
-    """Blocks read from this tier and refused by verification (checksum,
-    truncated, another namespace or key)."""
-    quarantined_blocks_total: int | None = None
-    """File tier: slots quarantined, failing verification or of another
-    namespace (found at open); never used for data again."""
-    evictions_total: int | None = None
-    """Blocks evicted from this tier to make room."""
-    vanished_blocks_total: int | None = None
-    """Cluster tier: blocks it was known to hold that were gone when read
-    (evicted by the server, removed by a peer). File tier: blocks of other
-    instances' partitions rewritten or evicted by their owner while read."""
-    peer_blocks: int | None = None
-    """File tier: blocks the other instances sharing its root hold, readable here."""
-    resident_blocks: int | None = None
-    """Blocks held now (ready or being written; the cluster tier: those this
-    instance knows to be there)."""
-    pinned_blocks: int | None = None
-    """CPU tier: blocks held by loads or writes in flight (not evictable)."""
-    used_bytes: int | None = None
-    """Bytes of this tier holding blocks (CPU: rows x their payload; file: slots)."""
-    capacity_bytes: int | None = None
-    """Bytes this tier has for blocks (CPU: its rows' payload; file: the slots of
-    ``blocks.dat``): ``used_bytes / capacity_bytes`` is its usage."""
-    recovery_blocks: int | None = None
-    """File tier: blocks found valid when it opened (what survived a restart)."""
-    recovery_torn_slots: int | None = None
-    """File tier: slots found torn when it opened (writes a crash interrupted)."""
-    recovery_seconds: float | None = None
-    """File tier: how long the scan of ``blocks.dat`` took at open."""
-    recovery_state: str | None = None
-    """File tier: ``running``, ``complete`` or ``failed``; the gauge
-    ``kvtier_recovery_state{state=...}`` is 1 for it and 0 for the others."""
-    node_outages_total: int | None = None
-    """Cluster tier: times a node stopped answering (at open, or while serving);
-    its keys are misses until a background probe finds it again."""
-    nodes_down: int | None = None
-    """Cluster tier: nodes not answering now."""
-    peer_hits_total: int | None = None
-    """Host tier: verified loads of blocks other instances on the host stored
-    (from their rows)."""
-    stale_peer_reads_total: int | None = None
-    """Host tier: loads of another instance's row that found it reused, being
-    written or failing its checksum while read: a miss, never wrong bytes."""
-    leases_outstanding: int | None = None
-    """Host tier: leases on rows held now by live readers (this instance's rows
-    cannot be reused under them)."""
-    rows_held: int | None = None
-    """Host tier: rows of the host segment this instance owns."""
-
-    def as_dict(self) -> dict[str, int | float | str]:
-        """The figures this tier has, by field name (the ``statistics_file`` section)."""
-        return {f.name: value for f in fields(self) if (value := getattr(self, f.name)) is not None}
+    names = [f.name for f in fields(record) if f.name not in skip]
+    if set(names) != set(table) or len(names) != len(table):
+        raise ValueError(
+            f"{record.__name__}: fields {sorted(names)} and figures {sorted(table)} differ"
+        )
+    return tuple(
+        MetricSpec(
+            series_name(name, table[name].kind),
+            table[name].kind,
+            table[name].documentation,
+            labelnames,
+            fronts=fronts,
+            field=name,
+        )
+        for name in names
+    )
 
 
-# One line of `# HELP` per field (the docstrings above say more).
-_HELP = {
-    "lookup_hits_total": "Looked-up keys this tier served.",
-    "read_blocks_total": "Blocks read out of this tier (CPU: loads to the device; "
-    "lower tiers: promotions into CPU rows).",
-    "read_bytes_total": "Payload bytes read out of this tier.",
-    "written_blocks_total": "Blocks written into this tier (CPU: stores from the device; "
-    "lower tiers: writes of CPU rows).",
-    "written_bytes_total": "Payload bytes written into this tier.",
-    "read_busy_seconds_total": "Seconds during which at least one read of this tier ran.",
-    "write_busy_seconds_total": "Seconds during which at least one write into this tier ran.",
-    "promotions_total": "Blocks of this tier promoted into the CPU tier.",
-    "promotion_failures_total": "Blocks a read from this tier did not deliver.",
-    "store_refusals_total": "Blocks offered to this tier that it had no room for.",
-    "write_failures_total": "Blocks whose write into this tier failed or could not start.",
+TIER_FIGURES: dict[str, Figure] = {
+    "lookup_hits": _counter("Looked-up keys this tier served."),
+    "read_blocks": _counter(
+        "Blocks read out of this tier (CPU: loads to the device; "
+        "lower tiers: promotions into CPU rows)."
+    ),
+    "read_bytes": _counter("Payload bytes read out of this tier."),
+    "written_blocks": _counter(
+        "Blocks written into this tier (CPU: stores from the device; "
+        "lower tiers: writes of CPU rows)."
+    ),
+    "written_bytes": _counter("Payload bytes written into this tier."),
+    "read_busy_seconds": _counter("Seconds during which at least one read of this tier ran."),
+    "write_busy_seconds": _counter("Seconds during which at least one write into this tier ran."),
+    "read_failures": _counter("Blocks a read from this tier did not deliver."),
+    "write_failures": _counter("Blocks whose write into this tier failed or could not start."),
+    "write_backs": _counter("Blocks handed to this write-back tier (evicted from CPU, at close)."),
+    "probes": _counter("Keys asked of this shared tier."),
+    "loads_declined": _counter(
+        "Lookups answered as misses because reading the block from this tier would have "
+        "ended after recomputing it (decline_slow_loads)."
+    ),
+    "read_seconds_per_block": _gauge(
+        "Seconds of reading per block this tier delivered lately (what a read is expected to cost)."
+    ),
+}
+"""Each field of :class:`~kvtier.chain.TierReport` (the chain's counts for a tier)."""
+
+FRONT_FIGURES: dict[str, Figure] = {
+    "lookups": _counter("Keys looked up (every tier's hits count against it)."),
+    "lookup_misses": _counter("Lookups no tier served."),
+    "stores": _counter("Store calls (vLLM: prepare_store calls that placed blocks)."),
+    "loads": _counter("Load calls (vLLM: prepare_load calls)."),
+    "store_refusals": _counter(
+        "Blocks offered to the CPU tier that it had no row for (every row pinned or held "
+        "by writes in flight)."
+    ),
+    "recompute_seconds_per_block": _gauge("Seconds recomputing one block costs, set or measured."),
+    "rows_held_by_writes": _gauge("CPU rows pinned now for writes to lower tiers."),
+}
+"""Each field of :class:`~kvtier.chain.FrontStatistics` but ``tiers`` and ``front``."""
+
+ENGINE_FIGURES: dict[str, Figure] = {
+    "dropped": _counter("Blocks a store gave up on: no row could be freed."),
+    "load_shortfalls": _counter("Blocks a load had promised but could not deliver."),
+    "abandoned_at_close": _counter(
+        "Blocks aclose did not write to the lower tiers because its timeout passed first."
+    ),
+    "in_flight": _gauge("Jobs (device copies, promotions) running now."),
+}
+"""Each field of :class:`~kvtier.EngineCounts` (the Engine's own record)."""
+
+OWN_FIGURES: dict[str, str] = {
     "integrity_failures_total": "Blocks read from this tier that failed verification.",
     "quarantined_blocks_total": "Slots of this tier quarantined (bad data or another namespace's).",
     "evictions_total": "Blocks evicted from this tier to make room.",
@@ -239,22 +262,39 @@ _HELP = {
     "leases_outstanding": "Host tier: leases live readers hold on rows now.",
     "rows_held": "Host tier: rows of the host segment this instance owns.",
 }
+"""The figures a tier's own record measures, by series name without ``kvtier_``: those
+of :meth:`~kvtier.tiers.base.HasMetrics.metric_figures`, and of the CPU tier's
+``ManagerStatistics`` (:func:`own_figures`). A counter's name ends in ``_total``."""
 
-_ENGINE_ONLY = {"read_busy_seconds_total", "write_busy_seconds_total"}
+TIER_METRICS: tuple[MetricSpec, ...] = record_metrics(
+    TierReport, TIER_FIGURES, labelnames=("tier",), skip=("statistics",)
+)
+"""One metric per :class:`~kvtier.chain.TierReport` field, labelled by ``tier``."""
 
+FRONT_METRICS: tuple[MetricSpec, ...] = record_metrics(
+    FrontStatistics, FRONT_FIGURES, skip=("tiers", "front")
+)
+"""One metric per :class:`~kvtier.chain.FrontStatistics` field, both fronts."""
 
-def _tier_spec(name: str) -> MetricSpec:
-    return MetricSpec(
-        "kvtier_" + name,
-        "counter" if name.endswith("_total") else "gauge",
-        _HELP[name],
-        ("tier", "state") if name == "recovery_state" else ("tier",),
-        fronts=("engine",) if name in _ENGINE_ONLY else _BOTH,
+ENGINE_METRICS: tuple[MetricSpec, ...] = record_metrics(
+    EngineCounts, ENGINE_FIGURES, fronts=("engine",)
+)
+"""One metric per :class:`~kvtier.EngineCounts` field (the Engine front only)."""
+
+OWN_METRICS: tuple[MetricSpec, ...] = tuple(
+    MetricSpec(
+        "kvtier_" + stem,
+        "counter" if stem.endswith("_total") else "gauge",
+        documentation,
+        ("tier", "state") if stem == "recovery_state" else ("tier",),
+        field=stem,
     )
+    for stem, documentation in OWN_FIGURES.items()
+)
+"""One metric per figure of the tiers' own records (:data:`OWN_FIGURES`)."""
 
-
-TIER_METRICS: tuple[MetricSpec, ...] = tuple(_tier_spec(f.name) for f in fields(TierMetrics))
-"""One metric per :class:`TierMetrics` field, in field order, labelled by ``tier``."""
+LOOKUPS = FRONT_METRICS[0]
+"""``kvtier_lookups_total``: the denominator of every hit rate."""
 
 _DURATION_BUCKETS = (
     0.0001,
@@ -274,9 +314,6 @@ _DURATION_BUCKETS = (
     10.0,
 )
 
-LOOKUPS = MetricSpec(
-    "kvtier_lookups_total", "counter", "Keys looked up (every tier's hits count against it).", ()
-)
 READ_DURATION = MetricSpec(
     "kvtier_read_duration_seconds",
     "histogram",
@@ -293,171 +330,95 @@ WRITE_DURATION = MetricSpec(
     buckets=_DURATION_BUCKETS,
     fronts=("vllm",),
 )
-DEADLINE_MISSES = MetricSpec(
-    "kvtier_lookup_deadline_misses_total",
-    "counter",
-    "Lookups answered as misses because a lower tier's read, or the request's wait, "
-    "outlasted lookup_deadline_s.",
-    (),
-    fronts=("vllm",),
-)
-LOADS_DECLINED = MetricSpec(
-    "kvtier_loads_declined_total",
-    "counter",
-    "Lookups answered as misses because reading the block from a lower tier would have "
-    "ended after recomputing it (decline_slow_loads).",
-    (),
-    fronts=("vllm",),
-)
-ROW_LIMIT_MISSES = MetricSpec(
-    "kvtier_lookup_row_limit_misses_total",
-    "counter",
-    "Lookups answered as misses because the request's prefix before them already needed "
-    "every CPU row (loaded in part, the rest recomputed).",
-    (),
-    fronts=("vllm",),
-)
-EVENTS_PUBLISHED = MetricSpec(
-    "kvtier_events_published_total",
-    "counter",
-    "Keys announced in KV cache events.",
-    (),
-    fronts=("vllm",),
-)
-EVENTS_DROPPED = MetricSpec(
-    "kvtier_events_dropped_total",
-    "counter",
-    "Keys of KV cache events dropped because nobody took them.",
-    (),
-    fronts=("vllm",),
-)
-LOAD_SHORTFALLS = MetricSpec(
-    "kvtier_load_shortfalls_total",
-    "counter",
-    "Blocks a load had promised but could not deliver.",
-    (),
-    fronts=("engine",),
-)
 
 METRICS: tuple[MetricSpec, ...] = (
-    LOOKUPS,
+    *FRONT_METRICS,
     *TIER_METRICS,
+    *OWN_METRICS,
+    *ENGINE_METRICS,
     READ_DURATION,
     WRITE_DURATION,
-    DEADLINE_MISSES,
-    ROW_LIMIT_MISSES,
-    LOADS_DECLINED,
-    EVENTS_PUBLISHED,
-    EVENTS_DROPPED,
-    LOAD_SHORTFALLS,
 )
-"""Every metric kvtier reports; each front reports those naming it in ``fronts``."""
+"""Every metric of :mod:`kvtier.metrics`; each front reports those naming it in
+``fronts`` (the vLLM front adds its own record's, ``VLLM_METRICS``)."""
 
-_KIND = {spec.name: spec.kind for spec in METRICS}
 
-
-def tier_metrics(
-    report: TierReport[Any], *, row_bytes: int, store_refusals: int | None = None
-) -> TierMetrics:
-    """One tier's figures, from its :class:`~kvtier.chain.TierReport`.
+def own_figures(report: TierReport[Any], row_bytes: int) -> dict[str, int | float | str]:
+    """The figures of a tier's own record, by the stems of :data:`OWN_FIGURES`.
 
     Parameters
     ----------
     report
-        The tier in a front's statistics (``statistics().tiers[name]``): its
-        own record and what the chain counted for it.
+        The tier in a front's statistics (``statistics().tiers[name]``).
     row_bytes
         Payload bytes of one CPU row (the CPU tier's block).
-    store_refusals
-        The CPU tier's refused blocks, as the front reports them.
-
-    Notes
-    -----
-    A lower tier's blocks and bytes read and written are its own counts, the
-    same under every front; the CPU tier's are the chain's (the residency
-    manager moves no bytes). Busy seconds are left to the front
-    (:func:`engine_tiers`).
     """
-    own: ManagerStatistics | TierStatistics = report.statistics
-    # One constructor call per tier (no dataclasses.replace): the vLLM front
-    # builds these at every scheduler step that changed a figure.
+    own = report.statistics
     if isinstance(own, ManagerStatistics):
-        return TierMetrics(
-            lookup_hits_total=report.lookup_hits,
-            read_blocks_total=report.blocks_out,
-            read_bytes_total=report.blocks_out * row_bytes,
-            written_blocks_total=report.blocks_in,
-            written_bytes_total=report.blocks_in * row_bytes,
-            store_refusals_total=store_refusals,
-            evictions_total=own.evictions,
-            resident_blocks=own.used,
-            pinned_blocks=own.pinned,
-            used_bytes=own.used * row_bytes,
-            capacity_bytes=own.capacity * row_bytes,
-        )
-    figures: dict[str, Any] = {
-        "lookup_hits_total": report.lookup_hits,
-        "read_blocks_total": own.hits,
-        "read_bytes_total": own.bytes_read,
-        "written_blocks_total": own.stores,
-        "written_bytes_total": own.bytes_written,
-        "promotions_total": report.blocks_out,
-        "promotion_failures_total": report.read_failures,
-        "write_failures_total": report.write_failures,
-        "resident_blocks": own.blocks,
-    }
+        return {
+            "evictions_total": own.evictions,
+            "resident_blocks": own.used,
+            "pinned_blocks": own.pinned,
+            "used_bytes": own.used * row_bytes,
+            "capacity_bytes": own.capacity * row_bytes,
+        }
+    figures: dict[str, int | float | str] = {"resident_blocks": own.blocks}
     if isinstance(own, HasMetrics):
-        # What only this kind of tier measures, by the names of TierMetrics:
-        # each tier's record says it itself.
+        # What only this kind of tier measures: each tier's record names it itself.
         figures.update(own.metric_figures())
-    return TierMetrics(**figures)
+    return figures
 
 
-def engine_tiers(stats: FrontStatistics, row_bytes: int) -> dict[str, TierMetrics]:
-    """Each tier of an engine's chain (CPU first) and its figures, busy seconds included.
+def _record(
+    out: Samples, specs: Iterable[MetricSpec], record: Any, labels: tuple[str, ...]
+) -> None:
+    for spec in specs:
+        value = getattr(record, cast("str", spec.field))
+        if value is not None:  # None: no such figure yet (no sample, not a zero)
+            out[(spec.name, labels)] = value
+
+
+def front_samples(
+    stats: FrontStatistics[Any], row_bytes: int, own: Iterable[MetricSpec] = ()
+) -> Samples:
+    """Every figure of a front's statistics as samples, each under its field's series.
 
     Parameters
     ----------
     stats
-        :meth:`Engine.statistics() <kvtier.Engine.statistics>`.
+        The front's snapshot (``Engine.statistics()``, the vLLM front's ``statistics()``).
     row_bytes
         Payload bytes of one CPU row (``layout.bytes_per_chunk * world_size``).
+    own
+        The metrics of the front's own record, ``stats.front`` (:data:`ENGINE_METRICS`...).
+
+    Notes
+    -----
+    Each tier's samples are :func:`tier_samples`'; a figure that is None gives none.
     """
-    out: dict[str, TierMetrics] = {}
-    for name, report in stats.tiers.items():
-        refusals = stats.dropped if name == "cpu" else None
-        out[name] = replace(
-            tier_metrics(report, row_bytes=row_bytes, store_refusals=refusals),
-            read_busy_seconds_total=report.seconds_out,
-            write_busy_seconds_total=report.seconds_in,
-        )
+    out: Samples = {}
+    _record(out, FRONT_METRICS, stats, ())
+    _record(out, own, stats.front, ())
+    for tier, report in stats.tiers.items():
+        out.update(tier_samples(tier, report, row_bytes))
     return out
 
 
-_TIER_FIELDS = tuple(
-    (spec.name, f.name) for spec, f in zip(TIER_METRICS, fields(TierMetrics), strict=True)
-)
+def tier_samples(tier: str, report: TierReport[Any], row_bytes: int) -> Samples:
+    """One tier's samples, labelled ``tier``: its :data:`TIER_METRICS` and its own figures.
 
-
-def samples(tiers: Mapping[str, TierMetrics], extra: Samples | None = None) -> Samples:
-    """Every figure of ``tiers`` (tier name -> its figures) as samples, after ``extra``.
-
-    Fields that are None give no sample; ``recovery_state`` gives one sample per
-    state in :data:`RECOVERY_STATES`. ``extra`` holds the metrics without a
-    ``tier`` label (``kvtier_lookups_total``...).
+    ``recovery_state`` gives one sample per state in :data:`RECOVERY_STATES`;
+    a figure that is None gives none.
     """
-    out: Samples = dict(extra) if extra else {}
-    for tier, figures in tiers.items():
-        label = (tier,)
-        for name, field in _TIER_FIELDS:
-            value = getattr(figures, field)
-            if value is None:
-                continue
-            if isinstance(value, str):
-                for state in RECOVERY_STATES:
-                    out[(name, (tier, state))] = float(state == value)
-            else:
-                out[(name, label)] = value
+    out: Samples = {}
+    label = (tier,)
+    _record(out, TIER_METRICS, report, label)
+    for stem, value in own_figures(report, row_bytes).items():
+        if isinstance(value, str):
+            for state in RECOVERY_STATES:
+                out[("kvtier_" + stem, (tier, state))] = float(state == value)
+        else:
+            out[("kvtier_" + stem, label)] = value
     return out
 
 
@@ -472,15 +433,9 @@ def as_json(values: Samples) -> dict[str, dict[str, float]]:
     return out
 
 
-def engine_samples(stats: FrontStatistics, row_bytes: int) -> Samples:
+def engine_samples(stats: FrontStatistics[EngineCounts], row_bytes: int) -> Samples:
     """Every metric of the Engine front, from one statistics snapshot."""
-    return samples(
-        engine_tiers(stats, row_bytes),
-        {
-            (LOOKUPS.name, ()): stats.lookups,
-            (LOAD_SHORTFALLS.name, ()): stats.load_shortfalls,
-        },
-    )
+    return front_samples(stats, row_bytes, ENGINE_METRICS)
 
 
 class StatsSink(Protocol):
@@ -521,6 +476,8 @@ class DeltaReporter:
     limit
         Durations and unfinished jobs kept at most between reports (the
         oldest durations are dropped; stale jobs forgotten).
+    metrics
+        The metrics it reports (their kinds): :data:`METRICS` and the front's own.
 
     Notes
     -----
@@ -530,7 +487,8 @@ class DeltaReporter:
     is called by one thread.
     """
 
-    def __init__(self, limit: int = 1 << 16) -> None:
+    def __init__(self, limit: int = 1 << 16, metrics: Iterable[MetricSpec] = METRICS) -> None:
+        self._kind = {spec.name: spec.kind for spec in metrics}
         self._last: Samples = {}
         self._started: dict[Hashable, float] = {}
         self._limit = limit
@@ -561,7 +519,7 @@ class DeltaReporter:
                 continue
             last[key] = value
             name, labels = key
-            if _KIND[name] != "counter":
+            if self._kind[name] != "counter":
                 sink.set_gauge(name, value, labels)
             elif before is None or value < before:
                 # Zero too, the first time: the series exists before its first event.
@@ -647,7 +605,7 @@ class KVTierCollector:
         """
         return self._families(engine_samples(self._statistics(), self._row_bytes))
 
-    def _statistics(self) -> FrontStatistics:
+    def _statistics(self) -> FrontStatistics[EngineCounts]:
         loop = self._loop
         if loop is None or loop.is_closed() or not loop.is_running():
             return self._engine.statistics()
@@ -658,7 +616,7 @@ class KVTierCollector:
         if here is loop:
             return self._engine.statistics()
 
-        async def snapshot() -> FrontStatistics:
+        async def snapshot() -> FrontStatistics[EngineCounts]:
             return self._engine.statistics()
 
         future = asyncio.run_coroutine_threadsafe(snapshot(), loop)

@@ -14,6 +14,7 @@ PUBLIC = {
     "ConfigurationError",
     "DirectIOUnsupportedError",
     "Engine",
+    "EngineCounts",
     "FileTierConfig",
     "FrontStatistics",
     "IntegrityError",

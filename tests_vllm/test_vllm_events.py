@@ -109,7 +109,7 @@ def test_events_follow_both_tiers(model_dir: Path, tmp_path: Path) -> None:
     finally:
         sub.close()
     st = read_statistics(stats)
-    assert st["events_dropped"] == 0
+    assert st["front"]["events_dropped"] == 0
     assert st["tiers"]["cpu"]["statistics"]["capacity"] == CPU_ROWS
 
     cpu, cpu_stored, cpu_removed = _replay(sub.events, "CPU")

@@ -146,7 +146,7 @@ def test_a_fleet_shares_a_prefix_and_survives_node_faults(
         _same(got_c2, baseline["C"])
     st_a, st_b = read_statistics(stats_a), read_statistics(stats_b)
     faults = sum(
-        st["deadline_misses"]
+        st["front"]["lookup_deadline_misses"]
         + sum(t[k] for k in ("read_failures", "write_failures") for t in st["tiers"].values())
         + sum(st["tiers"]["cluster"]["statistics"][k] for k in ("timeouts", "connection_errors"))
         for st in (st_a, st_b)

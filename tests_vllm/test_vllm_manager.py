@@ -79,8 +79,8 @@ def test_events_nobody_takes_are_bounded(with_events: Any) -> None:
     kept = sum(len(ev.keys) for ev in events)
     st = with_events.statistics()
     assert kept <= MAX_PENDING_EVENT_KEYS
-    assert st.events_dropped > 0
-    assert kept + st.events_dropped == st.events_published
+    assert st.front.events_dropped > 0
+    assert kept + st.front.events_dropped == st.front.events_published
     # The newest are kept: the last store is the last event.
     assert events[-1].keys == [keys[-1]]
     assert not events[-1].removed
@@ -89,7 +89,7 @@ def test_events_nobody_takes_are_bounded(with_events: Any) -> None:
 def test_no_events_unless_vllm_enables_them(without_events: Any) -> None:
     _store(without_events, 10)
     assert list(without_events.take_events()) == []
-    assert without_events.statistics().events_published == 0
+    assert without_events.statistics().front.events_published == 0
 
 
 def test_several_groups_need_one_block_per_chunk() -> None:
@@ -159,17 +159,17 @@ def test_a_step_larger_than_the_cpu_tier_stores_its_leading_blocks(
         if more is not None:
             manager.complete_store(more.keys_to_store, ctx)
         st = manager.statistics()
-        assert st.tiers["cpu"].blocks_in == 4 + taken
+        assert st.tiers["cpu"].written_blocks == 4 + taken
         assert st.store_refusals == 19 + 5 - taken
         warned = [r for r in caplog.records if "Sizing the CPU tier" in r.getMessage()]
         assert len(warned) == 1  # once, with the rule
         deadline = time.monotonic() + 10
-        while manager.statistics().tiers["file"].blocks_in < 4 + taken:
+        while manager.statistics().tiers["file"].written_blocks < 4 + taken:
             assert time.monotonic() < deadline
             manager.on_schedule_end(None)
             time.sleep(0.01)
         file = manager.statistics().tiers["file"]
-        assert (file.blocks_in, file.statistics.blocks) == (4 + taken, 4 + taken)
+        assert (file.written_blocks, file.statistics.blocks) == (4 + taken, 4 + taken)
         # The written rows are evictable again: the next step stores.
         out = manager.prepare_store(_keys(2, start=200), ctx)
         assert out is not None

@@ -58,9 +58,9 @@ def test_prefix_loaded_from_cpu_tier(
     assert a.num_cached_tokens == 0
     assert b.num_cached_tokens == SHARED
     st = read_statistics(stats)
-    assert st["tiers"]["cpu"]["blocks_out"] == SHARED // 128
-    assert st["tiers"]["file"]["blocks_out"] == 0  # from CPU rows, not the file tier
-    assert st["events_published"] == 0  # vLLM's KV cache events are off
+    assert st["tiers"]["cpu"]["read_blocks"] == SHARED // 128
+    assert st["tiers"]["file"]["read_blocks"] == 0  # from CPU rows, not the file tier
+    assert st["front"]["events_published"] == 0  # vLLM's KV cache events are off
     assert (
         st["tiers"]["file"]["statistics"]["stores"] >= len(A) // 128
     )  # written through for the next instance
@@ -89,8 +89,8 @@ def test_second_instance_loads_from_file_tier(
     assert c.num_cached_tokens == SHARED
     st = read_statistics(stats)
     assert st["tiers"]["file"]["statistics"]["recovered_blocks"] >= len(A) // 128
-    assert st["tiers"]["file"]["blocks_out"] >= SHARED // 128
-    assert st["tiers"]["cpu"]["blocks_out"] == SHARED // 128
+    assert st["tiers"]["file"]["read_blocks"] >= SHARED // 128
+    assert st["tiers"]["cpu"]["read_blocks"] == SHARED // 128
     assert st["tiers"]["file"]["read_failures"] == 0
 
 

@@ -511,9 +511,9 @@ async def _engine_round_trip(device: str, root: Path, blocks: int) -> str:
         ):
             raise AssertionError(f"loaded {loaded} of {blocks} ({hits} hits); bytes differ")
         pinned = st.tiers["cpu"].statistics.pinned
-        if pinned or st.in_flight:
-            raise AssertionError(f"pinned {pinned}, in flight {st.in_flight}")
-        promoted = st.tiers["file"].blocks_out
+        if pinned or st.front.in_flight:
+            raise AssertionError(f"pinned {pinned}, in flight {st.front.in_flight}")
+        promoted = st.tiers["file"].read_blocks
     size = layout.bytes_per_chunk >> 10
     return f"{blocks} blocks of {size} KiB stored and loaded back, {promoted} promoted from file"
 
@@ -568,8 +568,10 @@ async def _cancelled_load(device: str, blocks: int) -> str:
         await engine.flush()
         st = engine.statistics()
         pinned = st.tiers["cpu"].statistics.pinned
-        if pinned or st.in_flight:
-            raise AssertionError(f"after the cancel: pinned {pinned}, in flight {st.in_flight}")
+        if pinned or st.front.in_flight:
+            raise AssertionError(
+                f"after the cancel: pinned {pinned}, in flight {st.front.in_flight}"
+            )
         if streams is not None and not all(s.query() for s in streams.values()):
             raise AssertionError("a copy stream still has work queued")
         for t, b in zip(kv, before, strict=True):

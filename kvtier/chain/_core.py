@@ -250,14 +250,14 @@ class Chain:
             self._decision.computed(keys, ok)
         self._cpu.complete_store(keys, ok)
         if ok:
-            self._cpu_counts.blocks_in += len(keys)
+            self._cpu_counts.written_blocks += len(keys)
             if write_down:
                 self._write_down(keys, range(len(self._lower)), store=True)
 
     def pin_for_device_load(self, keys: Sequence[bytes]) -> tuple[int, ...]:
         """Pin ready blocks for a copy to the device; their rows."""
         plan = self._cpu.prepare_load(keys)
-        self._cpu_counts.blocks_out += len(keys)
+        self._cpu_counts.read_blocks += len(keys)
         return plan.slots
 
     def unpin_device_load(self, keys: Sequence[bytes]) -> None:
@@ -388,16 +388,16 @@ class Chain:
             tiers[t.spec.name] = replace(
                 t.counts,
                 loads_declined=decision.declined_from(i),
-                read_s_per_block=decision.s_per_block(i),
+                read_seconds_per_block=decision.s_per_block(i),
             )
         return ChainStatistics(
             tiers=tiers,
             lookups=self._lookups.count,
             store_refusals=self._refusals,
-            deadline_misses=deadlines.late,
-            row_limit_misses=deadlines.row_limited,
+            lookup_deadline_misses=deadlines.late,
+            lookup_row_limit_misses=deadlines.row_limited,
             loads_declined=decision.declined,
-            recompute_s_per_block=decision.recompute_s_per_block,
+            recompute_seconds_per_block=decision.recompute_s_per_block,
             rows_held_by_writes=len(self._write_pins),
         )
 
@@ -466,7 +466,7 @@ class Chain:
             self._follow_ups.pop(read.follows, None)  # its front has asked by now
         if good:
             self._cpu.complete_store(good, True)
-            tier.counts.blocks_out += len(good)
+            tier.counts.read_blocks += len(good)
         lookup = read.seq in self._lookup_reads
         if lookup:  # (a front's own promotions were counted by prefix)
             self._lookup_reads.discard(read.seq)
@@ -533,7 +533,7 @@ class Chain:
         tier.forget(done.evicted)
         self._write_back.orphaned(write.tier, done.evicted)
         ok = [k for k in write.keys if k in done.stored]
-        tier.counts.blocks_in += len(ok)
+        tier.counts.written_blocks += len(ok)
         tier.counts.write_failures += len(write.keys) - len(ok)
         if not write.evicting:
             self._unpin_written(write.keys)

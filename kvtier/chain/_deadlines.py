@@ -122,7 +122,7 @@ class Deadlines:
             log.warning(
                 "kvtier: a lookup waited on %s for more than %.3f s (lookup_deadline_s): "
                 "answered as a miss, the block is recomputed; logged once, counted as "
-                "deadline_misses",
+                "lookup_deadline_misses",
                 what,
                 self.deadline_s,
             )

@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from kvtier.chain._core import Chain
 from kvtier.chain._driver import TierDriver
@@ -74,9 +74,14 @@ from kvtier.transfer.completion import Completion
 
 __all__ = ["Runtime", "Settled", "Settlement", "TierEvents", "chain_for"]
 
+if TYPE_CHECKING:
+    from kvtier.chain._statistics import ChainStatistics
+
 _SEED_TIMEOUT_S = 60.0
 
 _O = TypeVar("_O", Written, ReadDone, Probed)
+_F = TypeVar("_F")
+"""A front's own statistics record."""
 
 
 class Settlement(Completion[None], Generic[_O]):
@@ -316,10 +321,16 @@ class Runtime:
         return [tier.statistics() for tier in self.tiers]
 
     def statistics(
-        self, counts: FrontCounts, *, cpu_busy: Busy | None = None, in_flight: int = 0
-    ) -> FrontStatistics:
+        self,
+        counts: FrontCounts,
+        front: Callable[[ChainStatistics], _F],
+        *,
+        cpu_busy: Busy | None = None,
+    ) -> FrontStatistics[_F]:
         """The front's statistics now: the chain's counts per tier, their bytes and busy
-        time, each tier's own record (:meth:`tier_statistics`), and the front's ``counts``.
+        time, each tier's own record (:meth:`tier_statistics`), the figures every front
+        counts (``counts``), and the front's own record: ``front`` makes it from the
+        chain's snapshot (the vLLM front's takes the lookups its deadlines missed).
 
         ``cpu_busy`` times the CPU tier's device copies, where the front runs them.
         """
@@ -337,17 +348,9 @@ class Runtime:
             stores=counts.stores,
             loads=counts.loads,
             store_refusals=chain.store_refusals,
-            dropped=counts.dropped,
-            load_shortfalls=counts.load_shortfalls,
-            deadline_misses=chain.deadline_misses,
-            row_limit_misses=chain.row_limit_misses,
-            loads_declined=chain.loads_declined,
-            recompute_s_per_block=chain.recompute_s_per_block,
+            recompute_seconds_per_block=chain.recompute_seconds_per_block,
             rows_held_by_writes=chain.rows_held_by_writes,
-            abandoned_at_close=counts.abandoned_at_close,
-            in_flight=in_flight,
-            events_published=counts.events_published,
-            events_dropped=counts.events_dropped,
+            front=front(chain),
         )
 
     def _report(
@@ -357,18 +360,18 @@ class Runtime:
         return TierReport(
             own,
             lookup_hits=n.lookup_hits,
-            blocks_in=n.blocks_in,
-            blocks_out=n.blocks_out,
-            bytes_in=n.blocks_in * row,
-            bytes_out=n.blocks_out * row,
-            seconds_in=busy.seconds_in if busy is not None else 0.0,
-            seconds_out=busy.seconds_out if busy is not None else 0.0,
+            read_blocks=n.read_blocks,
+            read_bytes=n.read_blocks * row,
+            written_blocks=n.written_blocks,
+            written_bytes=n.written_blocks * row,
+            read_busy_seconds=busy.read_seconds if busy is not None else 0.0,
+            write_busy_seconds=busy.write_seconds if busy is not None else 0.0,
             read_failures=n.read_failures,
             write_failures=n.write_failures,
             write_backs=n.write_backs,
             probes=n.probes,
             loads_declined=n.loads_declined,
-            read_s_per_block=n.read_s_per_block,
+            read_seconds_per_block=n.read_seconds_per_block,
         )
 
     # -- the tiers' loop ------------------------------------------------------------------

@@ -1,24 +1,21 @@
 """The statistics records of the chain and its fronts, one level each, in one place.
 
-A figure keeps its name from where it is counted to where a front shows it:
+A figure keeps one name from where it is counted to its Prometheus series
+(:mod:`kvtier.metrics` derives ``kvtier_<name>``, with ``_total`` for a
+counter, from the field's name):
 
+* a tier's own record (the CPU tier's ``ManagerStatistics``, the file tier's
+  ``FileTierStatistics``, ...): what the tier itself saw;
 * :class:`TierCounts`: what the chain counted for one tier (the same
   decisions under every front), in :class:`ChainStatistics` by tier name;
-* :class:`TierReport`: one tier as a front reports it: the tier's own record
-  (the CPU tier's ``ManagerStatistics``, the file tier's ``FileTierStatistics``,
-  ...), the chain's counts for it, and the bytes and busy time beside them
-  (:class:`Busy` times them);
+  :class:`TierReport` is its snapshot as a front reports it, with the tier's
+  own record, the bytes, and the busy time (:class:`Busy` times it) beside;
 * :class:`FrontStatistics`: a front's snapshot: every tier's
-  :class:`TierReport`, the chain's totals, and the front's own counters
-  (:class:`FrontCounts`). ``kvtier.FrontStatistics`` and
+  :class:`TierReport`, the figures both fronts count (:class:`FrontCounts`),
+  and the front's own record in :attr:`FrontStatistics.front` (the Engine's
+  ``kvtier.EngineCounts``; the vLLM front's ``VLLMCounts``), so that no field
+  is a zero under the other front. ``kvtier.FrontStatistics`` and
   ``kvtier.TierReport`` are these.
-
-Figures that mean something under one front only (each field says which):
-``dropped``, ``load_shortfalls``, ``abandoned_at_close`` and ``in_flight``
-(the Engine's); ``deadline_misses``, ``row_limit_misses``,
-``events_published`` and ``events_dropped`` (vLLM's); the CPU tier's
-``seconds_in`` / ``seconds_out`` (the Engine's, whose device copies it times).
-:mod:`kvtier.metrics` names each figure for Prometheus.
 """
 
 from __future__ import annotations
@@ -43,31 +40,17 @@ __all__ = [
 
 @dataclass(slots=True)
 class TierCounts:
-    """What the chain counted for one tier (names as in :class:`ChainStatistics`)."""
+    """What the chain counted for one tier: :class:`TierReport`'s names and meanings."""
 
     lookup_hits: int = 0
-    """Keys a lookup got from this tier: the CPU tier's HITs (and, for
-    :meth:`~kvtier.chain.Chain.prefix`, its blocks in flight); a lower tier's blocks read for a
-    :meth:`~kvtier.chain.Chain.lookup`, or credited to it by :meth:`~kvtier.chain.Chain.prefix`."""
-    blocks_in: int = 0
-    """Blocks written into it (CPU: from the device; lower: writes and promotions up)."""
-    blocks_out: int = 0
-    """Blocks read out of it (CPU: to the device; lower: promotions into CPU rows)."""
+    read_blocks: int = 0
+    written_blocks: int = 0
     read_failures: int = 0
-    """Blocks a read from it failed to deliver (each then read from the next tier
-    below that holds it, else a miss)."""
     write_failures: int = 0
-    """Blocks a write to it failed or could not start."""
-    probes: int = 0
-    """Keys asked of it (shared tiers)."""
     write_backs: int = 0
-    """Blocks handed to it by write-back (evicted from the CPU tier, or at close)."""
+    probes: int = 0
     loads_declined: int = 0
-    """Blocks it holds that lookups answered as misses because their read would
-    have arrived later than recomputing them (the load-or-recompute decision)."""
-    read_s_per_block: float | None = None
-    """Seconds of reading per block it delivered lately (overlapping reads
-    counted once): what a new read of it is expected to cost; None before any."""
+    read_seconds_per_block: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,18 +63,18 @@ class ChainStatistics:
     """Keys looked up."""
     store_refusals: int
     """Blocks a :meth:`~kvtier.chain.Chain.place` could not give a row."""
-    deadline_misses: int
+    lookup_deadline_misses: int
     """Lookups answered MISS because a read or probe outlasted the deadline
     (the key's own, or its request's: see :meth:`~kvtier.chain.Chain.lookup`)."""
-    row_limit_misses: int
+    lookup_row_limit_misses: int
     """Lookups answered MISS because the request's prefix before them already
     needed every CPU row (the rest of it is recomputed)."""
     loads_declined: int
     """Lookups answered MISS because loading the block would have been slower
     than recomputing it (per tier: :attr:`TierCounts.loads_declined`)."""
-    recompute_s_per_block: float | None
-    """What recomputing one block costs, as set or measured; None: unknown (no
-    load is declined)."""
+    recompute_seconds_per_block: float | None
+    """What recomputing one block costs, as set (``recompute_s_per_block``) or
+    measured; None: unknown (no load is declined)."""
     rows_held_by_writes: int
     """CPU rows pinned now for writes to lower tiers."""
 
@@ -99,17 +82,20 @@ class ChainStatistics:
 _S = TypeVar("_S", bound=ManagerStatistics | TierStatistics)
 """A tier's own statistics record."""
 
+_F = TypeVar("_F")
+"""A front's own record (``kvtier.EngineCounts``, the vLLM front's ``VLLMCounts``)."""
+
 
 @dataclass(frozen=True, slots=True)
 class TierReport(Generic[_S]):
     """One tier of the chain, as a front reports it: its own record, and what moved through it.
 
-    The counters are the chain's (the same decisions under both fronts), with
-    their bytes and the time the tier was busy beside them. The CPU tier's
-    traffic is device <-> CPU rows (``in``: stores, ``out``: loads); a lower
-    tier's (file, cluster) is CPU rows <-> that tier (``in``: write-through,
-    write-back and promotions from a tier below; ``out``: promotions into CPU
-    rows).
+    Each field but :attr:`statistics` is the series ``kvtier_<field>{tier=...}``
+    (``_total`` added to a counter's). The counters are the chain's (the same
+    decisions under both fronts). The CPU tier's traffic is device <-> CPU
+    rows (written: stores, read: loads); a lower tier's (file, cluster) is CPU
+    rows <-> that tier (written: write-through, write-back and promotions from
+    a tier below; read: promotions into CPU rows).
     """
 
     statistics: _S
@@ -125,23 +111,24 @@ class TierReport(Generic[_S]):
     credits the CPU tier with a key ready there or whose store or promotion is
     in flight, else the first lower tier that holds it; under vLLM, the CPU
     tier's hits and the blocks a lower tier's read delivered for a lookup."""
-    blocks_in: int = 0
-    """Blocks written into the tier (completed): device blocks copied into CPU
-    rows; CPU rows written to a lower tier (through, back, or promoted up)."""
-    blocks_out: int = 0
+    read_blocks: int = 0
     """Blocks read out of the tier: CPU rows pinned for a copy to the device
     (loads); a lower tier's blocks read and verified into CPU rows (promotions)."""
-    bytes_in: int = 0
-    """Payload bytes of ``blocks_in`` (a CPU row's, every rank's slice)."""
-    bytes_out: int = 0
-    """Payload bytes of ``blocks_out``."""
-    seconds_in: float = 0.0
-    """Time during which at least one write into the tier ran (overlapping jobs
-    count once), so that ``bytes_in / seconds_in`` is the throughput while busy.
-    A lower tier's: from each write's start to its outcome, under both fronts;
-    the CPU tier's: the Engine's device copies (0 under vLLM, whose workers copy)."""
-    seconds_out: float = 0.0
-    """The same for reads out of the tier."""
+    read_bytes: int = 0
+    """Payload bytes of ``read_blocks`` (a CPU row's, every rank's slice)."""
+    written_blocks: int = 0
+    """Blocks written into the tier (completed): device blocks copied into CPU
+    rows; CPU rows written to a lower tier (through, back, or promoted up)."""
+    written_bytes: int = 0
+    """Payload bytes of ``written_blocks``."""
+    read_busy_seconds: float = 0.0
+    """Time during which at least one read out of the tier ran (overlapping
+    jobs count once), so that ``read_bytes / read_busy_seconds`` is the
+    throughput while busy. A lower tier's: from each read's start to its
+    outcome, under both fronts; the CPU tier's: the Engine's device copies
+    (0 under vLLM, whose workers copy)."""
+    write_busy_seconds: float = 0.0
+    """The same for writes into the tier."""
     read_failures: int = 0
     """Blocks a read from this lower tier did not deliver (absent, vanished,
     damaged, an I/O error, the tier refusing the read): each is read from the
@@ -157,29 +144,32 @@ class TierReport(Generic[_S]):
     loads_declined: int = 0
     """Blocks of this lower tier that lookups answered as misses because their
     read would have ended after recomputing them (``decline_slow_loads``)."""
-    read_s_per_block: float | None = None
-    """Seconds of reading per block this lower tier delivered lately (what the
-    chain expects a new read to cost); None before any."""
+    read_seconds_per_block: float | None = None
+    """Seconds of reading per block this lower tier delivered lately (overlapping
+    reads counted once): what the chain expects a new read to cost; None before any."""
 
     @property
-    def gbps_in(self) -> float:
-        """Throughput into this tier while it was busy, in GB/s (0 with no traffic)."""
-        return self.bytes_in / self.seconds_in / 1e9 if self.seconds_in else 0.0
-
-    @property
-    def gbps_out(self) -> float:
+    def read_gbps(self) -> float:
         """Throughput out of this tier while it was busy, in GB/s (0 with no traffic)."""
-        return self.bytes_out / self.seconds_out / 1e9 if self.seconds_out else 0.0
+        return self.read_bytes / self.read_busy_seconds / 1e9 if self.read_busy_seconds else 0.0
+
+    @property
+    def write_gbps(self) -> float:
+        """Throughput into this tier while it was busy, in GB/s (0 with no traffic)."""
+        return (
+            self.written_bytes / self.write_busy_seconds / 1e9 if self.write_busy_seconds else 0.0
+        )
 
 
 @dataclass(frozen=True, slots=True)
-class FrontStatistics:
-    """A snapshot of a front: every tier, and the front's own counters beside them.
+class FrontStatistics(Generic[_F]):
+    """A snapshot of a front: every tier, the figures every front counts, and its own.
 
     ``Engine.statistics()`` and the vLLM front's ``statistics()`` return it;
     the vLLM front's ``statistics_file`` is its :func:`dataclasses.asdict`
-    (with the metrics' totals under ``metrics``). Each figure has one name;
-    a figure that only one front has is 0 under the other (each says which).
+    (with the metrics' totals under ``metrics``). Each field but
+    :attr:`tiers` and :attr:`front` is the series ``kvtier_<field>``
+    (``_total`` added to a counter's); so is each field of :attr:`front`.
     """
 
     tiers: Mapping[str, TierReport[Any]]
@@ -201,56 +191,31 @@ class FrontStatistics:
     """Blocks the CPU tier had no row for when offered (every row pinned or held
     by writes), counted each time: vLLM offers them again at its next step, an
     Engine store awaits room."""
-    dropped: int
-    """Blocks an Engine store gave up on: no row could be freed (Engine only)."""
-    load_shortfalls: int
-    """Blocks an Engine load had promised but could not deliver (an I/O or
-    integrity failure, a block vanished from a shared tier, a node down, and
-    no tier below the one that failed held it; Engine only)."""
-    deadline_misses: int
-    """Lookups answered as misses because a lower tier's read or probe, or the
-    request's wait, outlasted ``lookup_deadline_s`` (vLLM only)."""
-    row_limit_misses: int
-    """Lookups answered as misses because the request's prefix before them
-    already needed every CPU row (vLLM only)."""
-    loads_declined: int
-    """Lookups answered as misses because reading the block from a lower tier
-    would have ended after recomputing it (per tier: ``loads_declined``)."""
-    recompute_s_per_block: float | None
-    """What recomputing one block costs, as set or measured; None: unknown."""
+    recompute_seconds_per_block: float | None
+    """What recomputing one block costs, as set (``recompute_s_per_block``) or
+    measured; None: unknown. Each tier's ``read_seconds_per_block`` is set against it."""
     rows_held_by_writes: int
     """CPU rows pinned now for writes to lower tiers."""
-    abandoned_at_close: int
-    """Blocks :meth:`~kvtier.Engine.aclose` did not write to the lower tiers
-    because its timeout passed first (logged; Engine only)."""
-    in_flight: int
-    """Engine jobs (device copies, promotions) running now (Engine only)."""
-    events_published: int
-    """Keys announced in KV cache events (vLLM only)."""
-    events_dropped: int
-    """Keys of KV cache events dropped because nobody took them (vLLM only)."""
+    front: _F
+    """The front's own record: what only this front counts (the Engine's
+    ``kvtier.EngineCounts``; the vLLM front's ``VLLMCounts``)."""
 
 
 @dataclass(slots=True)
 class FrontCounts:
-    """What a front counts itself, beside the chain: :class:`FrontStatistics`'s names."""
+    """What every front counts itself, beside the chain: :class:`FrontStatistics`'s names."""
 
     lookup_misses: int = 0
     stores: int = 0
     loads: int = 0
-    dropped: int = 0
-    load_shortfalls: int = 0
-    abandoned_at_close: int = 0
-    events_published: int = 0
-    events_dropped: int = 0
 
 
 @dataclass(slots=True)
 class Busy:
     """Time during which at least one job ran, each way (overlapping jobs count once)."""
 
-    seconds_in: float = 0.0
-    seconds_out: float = 0.0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
     _active: list[int] = field(default_factory=lambda: [0, 0])  # [in, out]
     _since: list[float] = field(default_factory=lambda: [0.0, 0.0])
 
@@ -268,6 +233,6 @@ class Busy:
         if self._active[i] == 0:
             busy = time.perf_counter() - self._since[i]
             if into:
-                self.seconds_in += busy
+                self.write_seconds += busy
             else:
-                self.seconds_out += busy
+                self.read_seconds += busy

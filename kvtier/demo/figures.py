@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.chain import FrontStatistics, TierReport
+from kvtier.engine import EngineCounts
 from kvtier.manager import ManagerStatistics
 from kvtier.tiers.file import FileTierStatistics
 
@@ -41,7 +42,7 @@ class TierFigures:
     """Blocks a store could not place."""
 
 
-def read_statistics(st: FrontStatistics) -> TierFigures:
+def read_statistics(st: FrontStatistics[EngineCounts]) -> TierFigures:
     """The demo's view of ``st``: the one place that names its fields."""
     cpu: TierReport[ManagerStatistics] = st.tiers["cpu"]
     file: TierReport[FileTierStatistics] | None = st.tiers.get("file")
@@ -52,7 +53,7 @@ def read_statistics(st: FrontStatistics) -> TierFigures:
         cpu_evictions=cpu.statistics.evictions,
         file_blocks=0 if file is None else file.statistics.blocks,
         file_evictions=0 if file is None else file.statistics.evictions,
-        promotions=0 if file is None else file.blocks_out,
-        load_shortfalls=st.load_shortfalls,
-        dropped=st.dropped,
+        promotions=0 if file is None else file.read_blocks,
+        load_shortfalls=st.front.load_shortfalls,
+        dropped=st.front.dropped,
     )

@@ -16,12 +16,14 @@ its parts, each over the engine's state (``_state``: the opened parts, the
 chain's intents carried out, device copies): ``_open`` (opening and closing),
 ``_store`` (stores streaming through the CPU rows) and ``_load`` (loads, their
 claims on the jobs in flight, promotion windows); ``_jobs`` holds the small
-types and helpers they share.
+types and helpers they share; ``_statistics`` the engine's own statistics
+record (:class:`EngineCounts`).
 """
 
 from kvtier.engine._engine import Engine
 from kvtier.engine._jobs import BlockIds as BlockIds
 from kvtier.engine._state import INLINE_COPY_BYTES as INLINE_COPY_BYTES
+from kvtier.engine._statistics import EngineCounts
 from kvtier.engine._store import StoreSummary
 
-__all__ = ["Engine", "StoreSummary"]
+__all__ = ["Engine", "EngineCounts", "StoreSummary"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Literal, Self
 
 from kvtier.chain import FrontStatistics
@@ -12,6 +13,7 @@ from kvtier.config import KVTierConfig
 from kvtier.engine._jobs import BlockIds
 from kvtier.engine._load import _Loading
 from kvtier.engine._open import _Opening
+from kvtier.engine._statistics import EngineCounts
 from kvtier.engine._store import StoreSummary, _Storing
 from kvtier.errors import InvalidArgumentError
 from kvtier.keys import check_keys
@@ -179,7 +181,7 @@ class Engine(_Opening, _Storing, _Loading):
             Seconds to wait for stores, loads and writes to lower tiers in
             flight, and for the write-through and write-back they lead to.
             Past it, blocks not yet handed to the lower tiers are abandoned:
-            each is counted in ``FrontStatistics.abandoned_at_close`` and a
+            each is counted in ``EngineCounts.abandoned_at_close`` and a
             warning names how many. Writes already handed to a tier, and
             copies handed to hardware, are still waited for before memory is
             unmapped.
@@ -440,8 +442,8 @@ class Engine(_Opening, _Storing, _Loading):
 
     # -- statistics ----------------------------------------------------------------------
 
-    def statistics(self) -> FrontStatistics:
-        """A consistent snapshot of every tier's state and traffic, and the engine's counters."""
-        return self._runtime.statistics(
-            self._counts, cpu_busy=self._cpu_busy, in_flight=len(self._pending)
-        )
+    def statistics(self) -> FrontStatistics[EngineCounts]:
+        """A consistent snapshot of every tier's state and traffic, and the engine's counters
+        (its own in ``front``: :class:`~kvtier.EngineCounts`)."""
+        own = replace(self._own, in_flight=len(self._pending))
+        return self._runtime.statistics(self._counts, lambda _chain: own, cpu_busy=self._cpu_busy)

@@ -102,7 +102,7 @@ class _Loading(_State):
         if st.error is not None:
             raise st.error
         if st.end < len(keys):
-            self._counts.load_shortfalls += len(keys) - st.end
+            self._own.load_shortfalls += len(keys) - st.end
         return st.end
 
     def _load_round(self, st: _Load) -> bool:

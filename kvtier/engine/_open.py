@@ -153,7 +153,7 @@ class _Opening(_State):
         self._abandoning = True
         self._runtime.stop_writes()
         if left := self._chain.abandon():
-            self._counts.abandoned_at_close += left
+            self._own.abandoned_at_close += left
             log.warning(
                 "aclose: %d blocks not written to the lower tiers (timeout reached); "
                 "they are lost with the CPU region",
@@ -180,7 +180,7 @@ class _Opening(_State):
 
     def _abandon_count(self, count: int) -> None:
         if count:
-            self._counts.abandoned_at_close += count
+            self._own.abandoned_at_close += count
             log.warning(
                 "aclose: %d blocks not written to the lower tiers (timeout reached); "
                 "they are lost with the CPU region",

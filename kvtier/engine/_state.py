@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from kvtier.chain import Busy, FrontCounts, Runtime, chain_for
 from kvtier.config import KVTierConfig
 from kvtier.engine._jobs import _Ids, _Job, _Link
+from kvtier.engine._statistics import EngineCounts
 from kvtier.errors import ClosedError
 from kvtier.layout import KVLayout
 from kvtier.region import CPURegion
@@ -98,7 +99,9 @@ class _State:
         self._cpu_busy = Busy()
         """The CPU tier's device copies, timed (the runtime times the lower tiers)."""
         self._counts = FrontCounts()
-        """What the engine counts itself, beside the chain (:meth:`statistics`)."""
+        """What the engine counts as every front does, beside the chain (:meth:`statistics`)."""
+        self._own = EngineCounts()
+        """What only the engine counts (:meth:`statistics`' ``front``)."""
         self._runtime.start()  # what the tiers recovered; peers followed
 
     # -- the chain's intents and outcomes -------------------------------------------------

@@ -73,7 +73,7 @@ class _Storing(_State):
             todo = [k for k in todo if k not in placed]
             if not stream:
                 break  # no lower tier: reusing rows would evict this call's own prefix
-        self._counts.dropped += len(todo)
+        self._own.dropped += len(todo)
         return StoreSummary(stored, present, len(todo))
 
     async def _copy_in(self, plan: StorePlan, chosen: _Ids) -> None:

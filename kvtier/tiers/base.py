@@ -160,7 +160,7 @@ class HasMetrics(Protocol):
     """A tier's statistics record that adds figures of its own to kvtier's metrics."""
 
     def metric_figures(self) -> dict[str, int | float | str]:
-        """Figures by the field names of :class:`kvtier.metrics.TierMetrics`."""
+        """Figures by series name without ``kvtier_`` (:data:`kvtier.metrics.OWN_FIGURES`)."""
         ...
 
 

@@ -99,7 +99,7 @@ def test_write_through_pins_the_rows_until_the_writes_end() -> None:
     assert chain.pins(key(1)) == 0
     assert not chain.busy
     counts = chain.statistics().tiers
-    assert counts["file"].blocks_in == counts["cluster"].blocks_in == 2
+    assert counts["file"].written_blocks == counts["cluster"].written_blocks == 2
 
 
 def test_a_tier_that_takes_no_stores_is_not_written_through() -> None:
@@ -126,7 +126,7 @@ def test_a_block_only_below_is_promoted_then_a_hit() -> None:
     assert read.keys == (key(1),)
     assert chain.lookup(key(1)) is Answer.HIT
     counts = chain.statistics().tiers
-    assert counts["file"].lookup_hits == counts["file"].blocks_out == 1
+    assert counts["file"].lookup_hits == counts["file"].read_blocks == 1
 
 
 def test_promote_up_writes_a_cluster_hit_to_the_file_tier() -> None:
@@ -164,7 +164,7 @@ def test_a_read_past_the_deadline_is_a_miss_and_still_serves_later() -> None:
     assert chain.lookup(key(1)) is Answer.RETRY
     clock.now += DEADLINE_S
     assert chain.lookup(key(1)) is Answer.MISS
-    assert chain.statistics().deadline_misses == 1
+    assert chain.statistics().lookup_deadline_misses == 1
     (read,) = in_flight
     assert isinstance(read, Read)
     chain.settle(ReadDone(read, frozenset(read.keys)))  # it ends after all
@@ -196,8 +196,8 @@ def test_a_block_a_tier_fails_to_deliver_is_read_from_the_next_tier_that_holds_i
     assert chain.is_ready(key(1))
     assert chain.follow_ups(read) == ()  # asked for right after its outcome, or never
     counts = chain.statistics().tiers
-    assert (counts["host"].read_failures, counts["host"].blocks_out) == (1, 1)
-    assert (counts["file"].read_failures, counts["file"].blocks_out) == (0, 1)
+    assert (counts["host"].read_failures, counts["host"].read_blocks) == (1, 1)
+    assert (counts["file"].read_failures, counts["file"].read_blocks) == (0, 1)
     assert chain.lower_of(key(1)) == 1  # the host tier forgot it
     assert not chain.busy
 

@@ -67,7 +67,7 @@ def test_a_tier_slower_than_recompute_is_declined() -> None:
     chain = new_chain(clock, recompute=0.010)
     on_file(chain, range(10))
     read_taking(chain, clock, [0, 1], seconds=0.5)  # 250 ms a block: slower than 10 ms
-    assert chain.statistics().tiers["file"].read_s_per_block == pytest.approx(0.25)
+    assert chain.statistics().tiers["file"].read_seconds_per_block == pytest.approx(0.25)
     assert chain.lookup(key(5), "r") is Answer.MISS
     st = chain.statistics()
     assert st.loads_declined == 1
@@ -140,7 +140,7 @@ def test_the_recompute_cost_is_measured_from_stores() -> None:
     for w in chain.take_intents():  # their write-through
         assert isinstance(w, Write)
         chain.settle(Written(w, frozenset(w.keys)))
-    assert chain.statistics().recompute_s_per_block == pytest.approx(0.02)
+    assert chain.statistics().recompute_seconds_per_block == pytest.approx(0.02)
     on_file(chain, range(10))
     read_taking(chain, clock, [0], seconds=0.5)  # 500 ms a block
     assert chain.lookup(key(5), "r") is Answer.MISS
@@ -180,7 +180,7 @@ def test_a_declined_tier_is_measured_again_and_read_once_fast() -> None:
     chain.forget_request("p")
     # Probes bring the decayed measure down, until the tier is read again.
     for n in range(12, 30):
-        s = chain.statistics().tiers["file"].read_s_per_block
+        s = chain.statistics().tiers["file"].read_seconds_per_block
         assert s is not None
         if s <= 0.010:
             break

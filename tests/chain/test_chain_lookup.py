@@ -89,8 +89,8 @@ def test_a_prefix_longer_than_the_cpu_tier_loads_its_leading_blocks() -> None:
     assert steps * STEP_S < DEADLINE_S  # answered by the rows, not by the deadline
     serve(chain, "r1", prefix, hits)
     stats = chain.statistics()
-    assert stats.row_limit_misses >= 1
-    assert stats.deadline_misses == 0
+    assert stats.lookup_row_limit_misses >= 1
+    assert stats.lookup_deadline_misses == 0
 
 
 def test_a_request_waits_no_longer_than_the_deadline() -> None:
@@ -105,7 +105,7 @@ def test_a_request_waits_no_longer_than_the_deadline() -> None:
         steps += 1
         assert steps * STEP_S <= DEADLINE_S + 2 * STEP_S, "waited past the deadline"
     assert hits == 0
-    assert chain.statistics().deadline_misses >= 1
+    assert chain.statistics().lookup_deadline_misses >= 1
 
 
 def test_requests_evicting_each_others_promotions_are_all_answered_in_time() -> None:

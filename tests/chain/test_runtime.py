@@ -22,6 +22,7 @@ import pytest
 from kvtier.chain import (
     Answer,
     Chain,
+    ChainStatistics,
     FrontCounts,
     LowerTier,
     ReadDone,
@@ -129,10 +130,10 @@ async def test_inline_writes_through_and_unpins_when_each_write_settles() -> Non
         assert chain.pins(key(1)) == 0
         assert tier.is_ready(key(1))
         assert tier.is_ready(key(2))
-        st = runtime.statistics(_counts())
-        assert st.tiers["mem0"].blocks_in == 2
-        assert st.tiers["mem0"].bytes_in == 2 * r.slice_bytes
-        assert st.tiers["mem0"].seconds_in > 0
+        st = runtime.statistics(_counts(), _no_front)
+        assert st.tiers["mem0"].written_blocks == 2
+        assert st.tiers["mem0"].written_bytes == 2 * r.slice_bytes
+        assert st.tiers["mem0"].write_busy_seconds > 0
         assert st.tiers["mem0"].statistics.stores == 2  # the tier's own record, taken now
 
 
@@ -194,7 +195,7 @@ async def test_inline_a_block_one_tier_lost_is_read_from_the_next() -> None:
         assert got[1].intent.tier == 1
         assert got[1].loaded == {key(7)}
         assert chain.is_ready(key(7))
-        assert runtime.statistics(_counts()).tiers["mem0"].read_failures == 1
+        assert runtime.statistics(_counts(), _no_front).tiers["mem0"].read_failures == 1
 
 
 async def test_inline_writes_after_stop_writes_are_dropped_and_counted() -> None:
@@ -207,7 +208,7 @@ async def test_inline_writes_after_stop_writes_are_dropped_and_counted() -> None
         assert runtime.abandoned == 3
         assert chain.pins(key(1)) == 0
         assert not tier.is_ready(key(1))
-        assert runtime.statistics(_counts()).tiers["mem0"].write_failures == 3
+        assert runtime.statistics(_counts(), _no_front).tiers["mem0"].write_failures == 3
 
 
 async def test_inline_a_probe_asked_before_it_goes_out_is_awaited() -> None:
@@ -321,7 +322,7 @@ def test_queued_a_lookup_waits_on_a_read_carried_out_on_the_loop() -> None:
         assert isinstance(done.outcome, ReadDone)
         assert done.outcome.loaded == {key(3)}
         assert chain.lookup(key(3), "req") is Answer.HIT
-        assert runtime.statistics(_counts()).tiers["mem"].lookup_hits == 1
+        assert runtime.statistics(_counts(), _no_front).tiers["mem"].lookup_hits == 1
         asyncio.run_coroutine_threadsafe(tier.aclose(), loop).result(5)
 
 
@@ -359,3 +360,7 @@ class _Watched(MemoryTier):
 
 def _counts() -> FrontCounts:
     return FrontCounts()
+
+
+def _no_front(_chain: ChainStatistics) -> None:
+    """A front without a record of its own."""

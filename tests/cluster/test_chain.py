@@ -138,7 +138,7 @@ async def test_write_through_then_promotion_from_the_file_tier(tmp_path: Path) -
         for i in range(0, 10, 2):  # 10 blocks through 4 rows: the first ones are evicted
             await a.store(ks[i : i + 2])
         st = a.chain.statistics()
-        assert st.tiers["file"].blocks_in == 10
+        assert st.tiers["file"].written_blocks == 10
         assert st.rows_held_by_writes == 0  # every write ended: its pin is gone
         assert not a.serves(ks[0])
         assert a.chain.lookup(ks[0]) is Answer.RETRY  # a read was queued before
@@ -171,7 +171,7 @@ async def test_a_lookup_past_its_deadline_is_a_miss_then_the_read_serves(tmp_pat
         assert a.chain.lookup(ks[0]) is Answer.RETRY
         a.now[0] += 0.2  # the tier has not answered in time: the request recomputes
         assert a.chain.lookup(ks[0]) is Answer.MISS
-        assert a.chain.statistics().deadline_misses == 1
+        assert a.chain.statistics().lookup_deadline_misses == 1
         await a.settle(1)  # the read went on; a later request gets the block
         assert a.serves(ks[0])
 
@@ -185,7 +185,7 @@ async def test_a_fleet_shares_blocks_through_the_cluster(
     ):
         ks = keys(3, "fleet")
         await a.store(ks)
-        assert a.chain.statistics().tiers["cluster"].blocks_in == 3
+        assert a.chain.statistics().tiers["cluster"].written_blocks == 3
         # B never saw these keys: it asks the cluster, then reads, then serves.
         assert b.chain.lookup(ks[0]) is Answer.RETRY
         assert b.chain.lookup(ks[1]) is Answer.RETRY
@@ -200,7 +200,7 @@ async def test_a_fleet_shares_blocks_through_the_cluster(
         # promote_up: what came from the cluster is on B's file tier too.
         await b.step()
         assert st.tiers["cluster"].probes == 2
-        assert b.chain.statistics().tiers["file"].blocks_in == 2
+        assert b.chain.statistics().tiers["file"].written_blocks == 2
         # A key nobody stored: one probe, then a miss until the answer is stale.
         (other,) = keys(1, "nobody")
         assert b.chain.lookup(other) is Answer.RETRY
@@ -255,7 +255,7 @@ async def test_write_back_on_eviction_holds_the_rows_until_written(tmp_path: Pat
         ks = keys(8, "back")
         await a.store(ks[:4])  # all 4 rows, written nowhere yet
         assert a.chain.lower_of(ks[0]) is None
-        assert a.chain.statistics().tiers["file"].blocks_in == 0
+        assert a.chain.statistics().tiers["file"].written_blocks == 0
         # Two new blocks evict the two least recently used: their rows are
         # their only copy, so each goes to the file tier before reuse.
         plan = a.chain.place(ks[4:6])
@@ -279,7 +279,7 @@ async def test_write_back_on_eviction_holds_the_rows_until_written(tmp_path: Pat
         await a.step()
         assert a.chain.write_back() == 0
         st = a.chain.statistics()
-        assert st.tiers["file"].blocks_in == 6
+        assert st.tiers["file"].written_blocks == 6
         assert st.tiers["file"].write_backs == 6
         assert st.rows_held_by_writes == 0
         reads = a.chain.promote(victims)  # evicts two rows, already written: no hold

@@ -118,7 +118,7 @@ async def test_cpu_then_cluster_streams_and_loads(valkey_cluster: ValkeyCluster)
         await store_keys(engine, kv, keys)
         st = engine.statistics()
         assert list(st.tiers) == ["cpu", "cluster"]
-        assert st.tiers["cluster"].blocks_in == 24
+        assert st.tiers["cluster"].written_blocks == 24
         assert st.tiers["cluster"].statistics.stores == 24
         assert engine.lookup(keys) == 24
         st = engine.statistics()
@@ -127,7 +127,7 @@ async def test_cpu_then_cluster_streams_and_loads(valkey_cluster: ValkeyCluster)
         lookups_add_up(engine)
         assert await load_checked(engine, kv, keys[:8]) == 8
         tier = engine.statistics().tiers["cluster"]
-        assert (tier.blocks_out, tier.bytes_out, tier.read_failures) == (8, 8 * ROW, 0)
+        assert (tier.read_blocks, tier.read_bytes, tier.read_failures) == (8, 8 * ROW, 0)
         # The tier's own record: blocks, bytes, hits, misses, verification
         # failures, round trips.
         own = tier.statistics
@@ -150,8 +150,8 @@ async def test_a_load_larger_than_the_cpu_tier_streams_from_the_cluster(
         assert await second.load(keys, list(range(40))) == 40
         assert all(holds(kv2, b, k) for b, k in enumerate(keys))
         st = second.statistics()
-        promoted, pinned = st.tiers["cluster"].blocks_out, st.tiers["cpu"].statistics.pinned
-        assert (promoted, st.load_shortfalls, pinned) == (40, 0, 0)
+        promoted, pinned = st.tiers["cluster"].read_blocks, st.tiers["cpu"].statistics.pinned
+        assert (promoted, st.front.load_shortfalls, pinned) == (40, 0, 0)
 
 
 async def test_a_second_engine_loads_through_refresh(valkey_cluster: ValkeyCluster) -> None:
@@ -186,10 +186,10 @@ async def test_cpu_file_cluster_promotes_by_policy(
         assert await load_checked(second, kv2, keys) == 6
         await second.flush()
         st = second.statistics()
-        assert st.tiers["cluster"].blocks_out == 6
+        assert st.tiers["cluster"].read_blocks == 6
         file = st.tiers["file"]
         promoted = 6 if promote is None else 0
-        assert (file.statistics.blocks, file.blocks_in) == (promoted, promoted)
+        assert (file.statistics.blocks, file.written_blocks) == (promoted, promoted)
         lookups_add_up(second)
 
 
@@ -229,7 +229,7 @@ async def test_vanished_and_damaged_blocks_are_misses(
         assert await load_checked(engine, kv, keys[:8]) == 2  # a miss, not an error
         st = engine.statistics()
         assert st.tiers["cluster"].statistics.vanished == 1
-        assert st.load_shortfalls == 6
+        assert st.front.load_shortfalls == 6
         assert engine.lookup(keys) == 2
         # 5 blocks, or 2 when the first load read keys[5] ahead (and dropped it) already.
         hits = engine.lookup(keys[3:8])
@@ -337,7 +337,7 @@ async def test_node_killed_under_engine_traffic(private_cluster: ValkeyCluster) 
         await engine.flush()
         st = engine.statistics()
         assert st.tiers["cpu"].statistics.pinned == 0
-        assert st.in_flight == 0
+        assert st.front.in_flight == 0
         own = st.tiers["cluster"].statistics
         faults = own.connection_errors + own.refused_in_backoff
         assert faults + own.timeouts > 0

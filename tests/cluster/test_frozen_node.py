@@ -22,7 +22,7 @@ import pytest
 
 from kvtier.chain import TierReport
 from kvtier.errors import TierIOError
-from kvtier.metrics import TierMetrics, samples, tier_metrics
+from kvtier.metrics import OWN_FIGURES, tier_samples
 from kvtier.testing.tier import Rows, block_keys
 from kvtier.testing.valkey import ValkeyCluster
 from kvtier.tiers.cluster import ClusterTier
@@ -102,10 +102,10 @@ async def test_a_frozen_node_neither_stops_the_open_nor_fails_the_others(
     assert (stats.outages, stats.nodes_down) == (1, 1)
     assert warnings_naming(caplog, name) == 1, "one WARNING per outage, not per block"
     figures = stats.metric_figures()
-    assert set(figures) <= set(TierMetrics.__dataclass_fields__)
+    assert set(figures) <= set(OWN_FIGURES)
     assert (figures["node_outages_total"], figures["nodes_down"]) == (1, 1)
     # ... and as the samples both fronts export, labelled by tier.
-    exported = samples({"cluster": tier_metrics(TierReport(stats), row_bytes=BLOCK)})
+    exported = tier_samples("cluster", TierReport(stats), row_bytes=BLOCK)
     assert exported[("kvtier_node_outages_total", ("cluster",))] == 1
     assert exported[("kvtier_nodes_down", ("cluster",))] == 1
 

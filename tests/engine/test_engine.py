@@ -117,7 +117,7 @@ def assert_quiescent(engine: Engine) -> None:
     st = engine.statistics()
     assert st.tiers["cpu"].statistics.pinned == 0
     assert st.tiers["cpu"].statistics.being_written == 0
-    assert st.in_flight == 0
+    assert st.front.in_flight == 0
     assert st.tiers["cpu"].statistics.used <= st.tiers["cpu"].statistics.capacity
 
 
@@ -168,7 +168,7 @@ async def test_eviction_cascades_to_file_and_promotes_back(
             assert engine.lookup(keys) == 2, "every block is in some tier"
             assert await engine.load(keys, [10, 11]) == 2
             assert same(snapshot(kv, [10, 11]), want)
-        assert engine.statistics().tiers["file"].blocks_out >= 8
+        assert engine.statistics().tiers["file"].read_blocks >= 8
         assert_quiescent(engine)
 
 
@@ -183,12 +183,12 @@ async def test_concurrent_loads_of_one_block_promote_once(tmp_path: Path) -> Non
             await engine.store(keys_for(engine, 2, salt), [2, 3])
         await engine.flush()
         assert not any(engine._chain.is_ready(k) for k in keys)
-        before = engine.statistics().tiers["file"].blocks_out
+        before = engine.statistics().tiers["file"].read_blocks
         results = await asyncio.gather(
             *(engine.load(keys, [10 + 2 * i, 11 + 2 * i]) for i in range(4))
         )
         assert results == [2, 2, 2, 2]
-        assert engine.statistics().tiers["file"].blocks_out - before == 2
+        assert engine.statistics().tiers["file"].read_blocks - before == 2
         for i in range(4):
             assert same(snapshot(kv, [10 + 2 * i, 11 + 2 * i]), want)
         assert_quiescent(engine)
@@ -303,7 +303,7 @@ async def test_corrupt_file_degrades_to_miss(tmp_path: Path) -> None:
         hits = engine.lookup(keys)
         assert hits == 2
         assert await engine.load(keys, [10, 11]) == 0
-        assert engine.statistics().load_shortfalls >= 2
+        assert engine.statistics().front.load_shortfalls >= 2
         assert engine.lookup(keys) == 0, "a block failing verification is never served again"
         assert_quiescent(engine)
 
@@ -430,7 +430,7 @@ async def test_a_store_larger_than_the_cpu_tier_streams_through_its_rows(
         assert await engine.store(keys, list(range(n))) == kvtier.StoreSummary(n, 0, 0)
         await engine.flush()
         st = engine.statistics()
-        assert st.dropped == 0
+        assert st.front.dropped == 0
         assert st.tiers["cpu"].statistics.ready == 8, "the CPU tier keeps the last blocks"
         assert engine.lookup(keys) == n
         for t in kv:
@@ -460,7 +460,7 @@ async def test_without_a_lower_tier_a_store_keeps_the_prefix_that_fits(tmp_path:
         keys = keys_for(engine, 20)
         assert await engine.store(keys, list(range(20))) == kvtier.StoreSummary(8, 0, 12)
         assert engine.lookup(keys) == 8
-        assert engine.statistics().dropped == 12
+        assert engine.statistics().front.dropped == 12
         # Stored again, the prefix is present and the tail still does not fit.
         assert await engine.store(keys, list(range(20))) == kvtier.StoreSummary(0, 8, 12)
         assert_quiescent(engine)
@@ -521,7 +521,7 @@ async def test_a_load_of_file_blocks_larger_than_the_cpu_tier_streams(
         assert await engine.load(keys, list(blocks), skip=skip) == n
         assert moved(kv, blocks, old, blocks)
         st = engine.statistics()
-        assert (st.tiers["file"].blocks_out, st.load_shortfalls) == (n, 0)
+        assert (st.tiers["file"].read_blocks, st.front.load_shortfalls) == (n, 0)
         assert st.tiers["cpu"].statistics.ready == 8, (
             "the last blocks promoted stay in the CPU tier"
         )
@@ -542,7 +542,7 @@ async def test_two_loads_larger_than_the_cpu_tier_at_once(tmp_path: Path, shared
         assert moved(kv, range(n, 2 * n), old, range(n) if shared else range(n, 2 * n))
         # One prefix: the loads share their promotions (each block is read once
         # or, when the policy evicted it between the two, twice).
-        assert n <= engine.statistics().tiers["file"].blocks_out <= 2 * n
+        assert n <= engine.statistics().tiers["file"].read_blocks <= 2 * n
         assert_unpinned(engine, [*first, *second])
 
 
@@ -571,10 +571,10 @@ async def test_cancelling_a_streaming_load_releases_every_pin(tmp_path: Path) ->
     ([keys], old) = await stored_on_file(tmp_path, n)
     async with engine_for(tmp_path, cpu_rows=8, file_rows=FILE_ROWS) as (engine, kv):
         for cut in (1, 12, 24):  # blocks on the device before the cancellation
-            start = engine.statistics().tiers["cpu"].blocks_out
+            start = engine.statistics().tiers["cpu"].read_blocks
             alone = asyncio.ensure_future(engine.load(keys, list(range(n))))
             beside = asyncio.ensure_future(engine.load(keys, list(range(n, 2 * n))))
-            while engine.statistics().tiers["cpu"].blocks_out - start < cut:
+            while engine.statistics().tiers["cpu"].read_blocks - start < cut:
                 assert not alone.done(), "the load ended before it was cancelled"
                 await asyncio.sleep(0)
             alone.cancel()
@@ -601,7 +601,7 @@ async def test_a_damaged_block_ends_a_streaming_load_where_it_is(tmp_path: Path)
         assert await engine.load(keys, list(range(n))) == 25
         assert moved(kv, range(25), old, range(25))
         st = engine.statistics()
-        assert st.load_shortfalls == n - 25
+        assert st.front.load_shortfalls == n - 25
         assert st.tiers["file"].statistics.quarantined == 1
         assert engine.lookup(keys) == 25
         assert_unpinned(engine, keys)
@@ -612,7 +612,7 @@ async def test_closing_under_a_streaming_load_ends_it_typed(tmp_path: Path) -> N
     ([keys], _old) = await stored_on_file(tmp_path, n)
     async with engine_for(tmp_path, cpu_rows=8, file_rows=FILE_ROWS) as (engine, _kv):
         loading = asyncio.ensure_future(engine.load(keys, list(range(n))))
-        while engine.statistics().tiers["cpu"].blocks_out < 8:
+        while engine.statistics().tiers["cpu"].read_blocks < 8:
             assert not loading.done(), "the load ended before the close"
             await asyncio.sleep(0)
         await engine.aclose()
@@ -637,7 +637,7 @@ async def test_aclose_writes_through_what_is_in_flight_or_counts_it(
         await asyncio.sleep(0)  # the copy is submitted; its write-through is not
         await engine.aclose(seconds)
         stored = (await storing).stored
-        abandoned = engine.statistics().abandoned_at_close
+        abandoned = engine.statistics().front.abandoned_at_close
     assert stored == n
     async with engine_for(tmp_path, cpu_rows=16) as (engine, _kv):
         on_file = sum(engine.lookup([k]) for k in keys)
@@ -666,13 +666,13 @@ async def test_statistics_give_each_figure_one_meaning(tmp_path: Path) -> None:
         )
         assert await engine.load(keys[:4], list(range(4))) == 4  # promoted, then copied
         st = engine.statistics()
-        row = st.tiers["file"].bytes_in // st.tiers["file"].blocks_in
-        assert (st.tiers["cpu"].blocks_in, st.tiers["cpu"].blocks_out) == (8, 4)
-        assert (st.tiers["file"].blocks_in, st.tiers["file"].blocks_out) == (8, 4)
-        assert st.tiers["cpu"].bytes_in == 8 * engine.layout.bytes_per_chunk
-        assert st.tiers["cpu"].bytes_out == 4 * engine.layout.bytes_per_chunk
-        assert st.tiers["file"].bytes_out == 4 * row
-        assert st.load_shortfalls == 0
+        row = st.tiers["file"].written_bytes // st.tiers["file"].written_blocks
+        assert (st.tiers["cpu"].written_blocks, st.tiers["cpu"].read_blocks) == (8, 4)
+        assert (st.tiers["file"].written_blocks, st.tiers["file"].read_blocks) == (8, 4)
+        assert st.tiers["cpu"].written_bytes == 8 * engine.layout.bytes_per_chunk
+        assert st.tiers["cpu"].read_bytes == 4 * engine.layout.bytes_per_chunk
+        assert st.tiers["file"].read_bytes == 4 * row
+        assert st.front.load_shortfalls == 0
 
 
 async def test_statistics_report_every_tier_by_name(tmp_path: Path) -> None:
@@ -687,18 +687,24 @@ async def test_statistics_report_every_tier_by_name(tmp_path: Path) -> None:
     assert list(st.tiers) == ["cpu", "file"]
     cpu, file = st.tiers["cpu"], st.tiers["file"]
     assert isinstance(cpu.statistics, ManagerStatistics)
-    assert (cpu.statistics.used, cpu.blocks_in) == (3, 3)
+    assert (cpu.statistics.used, cpu.written_blocks) == (3, 3)
     assert file.statistics == file_record
-    assert (file.blocks_in, file.statistics.stores) == (3, 3)
+    assert (file.written_blocks, file.statistics.stores) == (3, 3)
     row = engine.layout.bytes_per_chunk
-    assert (cpu.bytes_in, file.bytes_in) == (3 * row, 3 * row)
+    assert (cpu.written_bytes, file.written_bytes) == (3 * row, 3 * row)
     # Each tier's busy time: the device copies (the engine's), the file writes (the runtime's).
-    assert cpu.seconds_in > 0
-    assert file.seconds_in > 0
-    assert file.gbps_in == file.bytes_in / file.seconds_in / 1e9
-    assert (file.read_failures, file.write_failures, file.seconds_out) == (0, 0, 0.0)
+    assert cpu.write_busy_seconds > 0
+    assert file.write_busy_seconds > 0
+    assert file.write_gbps == file.written_bytes / file.write_busy_seconds / 1e9
+    assert (file.read_failures, file.write_failures, file.read_busy_seconds) == (0, 0, 0.0)
     record = json.loads(json.dumps(dataclasses.asdict(st), default=str))
-    assert record["tiers"]["file"]["blocks_in"] == 3
+    assert record["tiers"]["file"]["written_blocks"] == 3
+    assert record["front"] == {
+        "dropped": 0,
+        "load_shortfalls": 0,
+        "abandoned_at_close": 0,
+        "in_flight": 0,
+    }
     assert record["tiers"]["cpu"]["statistics"]["used"] == 3
     assert record["stores"] == 1
 

@@ -81,7 +81,7 @@ async def test_small_copies_stay_on_the_loop_and_large_ones_go_to_the_copier() -
         assert copier_threads() > before, "a large request did not reach the copier's threads"
         st = engine.statistics()
         cpu = st.tiers["cpu"].statistics
-        assert (cpu.pinned, cpu.being_written, st.in_flight) == (0, 0, 0)
+        assert (cpu.pinned, cpu.being_written, st.front.in_flight) == (0, 0, 0)
 
 
 SIZES = pytest.mark.parametrize(
@@ -105,7 +105,7 @@ async def test_a_store_cancelled_after_its_first_step_publishes_nothing(
         assert engine.lookup(keys) == 0
         st = engine.statistics()
         cpu = st.tiers["cpu"].statistics
-        assert (cpu.ready, cpu.being_written, st.in_flight) == (0, 0, 0)
+        assert (cpu.ready, cpu.being_written, st.front.in_flight) == (0, 0, 0)
 
 
 @SIZES

@@ -71,8 +71,8 @@ async def test_a_tier_slower_than_recompute_is_left_out_of_the_prefix(
         assert engine.lookup(old[:2]) == 2
         assert await engine.load(old[:2], [10, 11]) == 2
         chain = engine._chain.statistics()
-        assert chain.tiers["file"].read_s_per_block is not None
-        assert chain.tiers["file"].read_s_per_block >= 0.01  # the injected latency
+        assert chain.tiers["file"].read_seconds_per_block is not None
+        assert chain.tiers["file"].read_seconds_per_block >= 0.01  # the injected latency
         # Now measured: 50 ms a block against 10 us to recompute.
         hot = keys(engine, 4, salt=3)[:2]  # in CPU rows
         prefix = [*hot, *old[2:]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import subprocess
@@ -16,14 +17,29 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier import Engine, FileTierConfig, KVLayout, KVTierConfig, chain_keys
+from kvtier import (
+    Engine,
+    EngineCounts,
+    FileTierConfig,
+    FrontStatistics,
+    KVLayout,
+    KVTierConfig,
+    TierReport,
+    chain_keys,
+)
 from kvtier.errors import ConfigurationError
+from kvtier.integrations.vllm.statistics import VLLM_METRICS, VLLMCounts
 from kvtier.metrics import (
+    ENGINE_METRICS,
+    FRONT_METRICS,
     LOOKUPS,
     METRICS,
     READ_DURATION,
     TIER_METRICS,
     DeltaReporter,
+    Figure,
+    MetricSpec,
+    record_metrics,
     register_engine_metrics,
     serve_metrics,
 )
@@ -121,22 +137,20 @@ async def test_engine_metrics_scraped_over_http(tmp_path: Path) -> None:
     assert value(got, "kvtier_capacity_bytes", tier="cpu") == CPU_ROWS * row_bytes
     assert 0 < value(got, "kvtier_used_bytes", tier="cpu") <= CPU_ROWS * row_bytes
     assert value(got, "kvtier_evictions_total", tier="cpu") >= 4
-    assert value(got, "kvtier_store_refusals_total", tier="cpu") == 0
+    assert value(got, "kvtier_store_refusals_total") == st.store_refusals  # each awaited room
+    assert value(got, "kvtier_dropped_total") == st.front.dropped == 0
     # The file tier: written through, promoted back, verified, recovered at open.
     assert value(got, "kvtier_written_blocks_total", tier="file") == 8
     assert (
         value(got, "kvtier_written_bytes_total", tier="file")
+        == st.tiers["file"].written_bytes
         == st.tiers["file"].statistics.bytes_written
         > 0
     )
-    assert value(got, "kvtier_promotions_total", tier="file") == st.tiers["file"].blocks_out >= 4
-    assert (
-        value(got, "kvtier_read_bytes_total", tier="file")
-        == st.tiers["file"].statistics.bytes_read
-        > 0
-    )
+    assert value(got, "kvtier_read_blocks_total", tier="file") == st.tiers["file"].read_blocks >= 4
+    assert value(got, "kvtier_read_bytes_total", tier="file") == st.tiers["file"].read_bytes > 0
     assert value(got, "kvtier_write_busy_seconds_total", tier="file") > 0
-    assert value(got, "kvtier_promotion_failures_total", tier="file") == 0
+    assert value(got, "kvtier_read_failures_total", tier="file") == 0
     assert value(got, "kvtier_quarantined_blocks_total", tier="file") == 0
     assert value(got, "kvtier_resident_blocks", tier="file") == 8
     assert (
@@ -146,7 +160,26 @@ async def test_engine_metrics_scraped_over_http(tmp_path: Path) -> None:
     )
     assert value(got, "kvtier_recovery_state", tier="file", state="complete") == 1
     assert value(got, "kvtier_recovery_state", tier="file", state="running") == 0
-    assert value(got, "kvtier_load_shortfalls_total") == 0
+    assert value(got, "kvtier_load_shortfalls_total") == st.front.load_shortfalls == 0
+    # Every field of every record, under its own series and nowhere else.
+    for spec, record in [
+        *((spec, st) for spec in FRONT_METRICS),
+        *((spec, st.front) for spec in ENGINE_METRICS),
+    ]:
+        assert spec.field is not None
+        expected = getattr(record, spec.field)
+        if expected is None:  # no such figure yet: no sample
+            assert (spec.name, ()) not in got, spec.name
+        else:
+            assert value(got, spec.name) == expected, spec.name
+    for tier, report in st.tiers.items():
+        for spec in TIER_METRICS:
+            assert spec.field is not None
+            expected = getattr(report, spec.field)
+            if expected is None:
+                assert (spec.name, (("tier", tier),)) not in got, (spec.name, tier)
+            else:
+                assert value(got, spec.name, tier=tier) == expected, (spec.name, tier)
     # Prometheus conventions, as the text format carries them.
     assert "# TYPE kvtier_lookup_hits_total counter" in text
     assert "# TYPE kvtier_used_bytes gauge" in text
@@ -184,12 +217,40 @@ def test_importing_kvtier_does_not_import_prometheus_client() -> None:
 
 def test_every_metric_is_in_the_operations_guide() -> None:
     text = DOCS.read_text()
-    missing = [spec.name for spec in METRICS if f"`{spec.name}`" not in text]
+    missing = [spec.name for spec in (*METRICS, *VLLM_METRICS) if f"`{spec.name}`" not in text]
     assert missing == []
 
 
+RECORDS: list[tuple[type[Any], tuple[MetricSpec, ...], set[str]]] = [
+    (TierReport, TIER_METRICS, {"statistics"}),
+    (FrontStatistics, FRONT_METRICS, {"tiers", "front"}),
+    (EngineCounts, ENGINE_METRICS, set()),
+    (VLLMCounts, VLLM_METRICS, set()),
+]
+
+
+@pytest.mark.parametrize(
+    ("record", "specs", "skip"), RECORDS, ids=[r.__name__ for r, _s, _k in RECORDS]
+)
+def test_every_record_field_has_exactly_one_series_named_after_it(
+    record: type[Any], specs: tuple[MetricSpec, ...], skip: set[str]
+) -> None:
+    names = [f.name for f in dataclasses.fields(record) if f.name not in skip]
+    assert [spec.field for spec in specs] == names
+    for spec in specs:
+        assert spec.name == f"kvtier_{spec.field}" + ("_total" if spec.kind == "counter" else "")
+    every = [spec.name for spec in (*METRICS, *VLLM_METRICS)]
+    assert len(every) == len(set(every)), "a series named twice"
+    assert all(sum(s.field == n for s in specs) == 1 for n in names)
+
+
+def test_a_figure_table_must_name_every_field_of_its_record() -> None:
+    with pytest.raises(ValueError, match="differ"):
+        record_metrics(EngineCounts, {"dropped": Figure("counter", "Dropped.")})
+
+
 def test_names_follow_prometheus_conventions() -> None:
-    for spec in METRICS:
+    for spec in (*METRICS, *VLLM_METRICS):
         assert re.fullmatch(r"kvtier_[a-z_]+", spec.name), spec.name
         assert spec.name.endswith("_total") == (spec.kind == "counter"), spec.name
         if spec.kind == "histogram":
@@ -242,7 +303,7 @@ def test_the_grafana_dashboard_queries_only_kvtiers_metrics() -> None:
     dashboard = json.loads(path.read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     used = {re.sub(r"_bucket$", "", n) for e in exprs for n in re.findall(r"kvtier_\w+", e)}
-    assert used <= {spec.name for spec in METRICS}
+    assert used <= {spec.name for spec in (*METRICS, *VLLM_METRICS)}
     # The panels the operations guide promises.
     assert {"kvtier_lookup_hits_total", "kvtier_read_bytes_total", "kvtier_used_bytes"} <= used
-    assert {"kvtier_promotion_failures_total", "kvtier_quarantined_blocks_total"} <= used
+    assert {"kvtier_read_failures_total", "kvtier_quarantined_blocks_total"} <= used

@@ -432,7 +432,7 @@ async def test_bad_input_is_typed_and_loses_nothing(
         assert await verify_everything(engine, kv, set(everything)) == 0
         st = engine.statistics()
         assert st.tiers["cpu"].statistics.pinned == 0
-        assert st.in_flight == 0
+        assert st.front.in_flight == 0
 
 
 FAILED_OPENS = [

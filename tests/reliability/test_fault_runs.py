@@ -95,7 +95,7 @@ async def test_faults_degrade_to_misses_and_never_serve_a_wrong_block(
             assert tally.wrong_blocks == 0
             st = engine.statistics()
             cpu, file = st.tiers["cpu"].statistics, st.tiers["file"].statistics
-            assert st.in_flight == 0
+            assert st.front.in_flight == 0
             assert cpu.pinned == 0
             assert cpu.being_written == 0
             assert cpu.used == cpu.ready <= cpu.capacity

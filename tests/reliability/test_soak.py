@@ -78,7 +78,7 @@ async def test_soak_keeps_memory_fds_pins_and_shm_flat(
             st = engine.statistics()
             assert st.tiers["cpu"].statistics.pinned == 0
             assert st.tiers["cpu"].statistics.being_written == 0
-            assert st.in_flight == 0
+            assert st.front.in_flight == 0
             shm = shm_mapped_bytes()
             samples.append((rss_bytes(), open_fds(), shm))
             await asyncio.sleep(0)

@@ -189,7 +189,7 @@ async def serve(
         # again only once no copy is in flight (a serving engine must do the same).
         while True:
             await asyncio.sleep(0.002)
-            if held and engine.statistics().in_flight == 0:
+            if held and engine.statistics().front.in_flight == 0:
                 for ids in held:
                     await pool.give(ids)
                 held.clear()

@@ -103,7 +103,7 @@ async def test_every_rank_loads_back_its_own_bytes(procs: Procs, world: int) -> 
             p.stdin.flush()
         assert [(await Procs.line(p))["same"] for p in workers] == [True] * world
         stats = engine.statistics()
-        assert stats.tiers["cpu"].bytes_in == 4 * world * engine.layout.bytes_per_chunk
+        assert stats.tiers["cpu"].written_bytes == 4 * world * engine.layout.bytes_per_chunk
     finally:
         await engine.aclose()
     assert [(await Procs.line(p))["ending"] for p in workers] == ["stopped"] * world
@@ -270,7 +270,7 @@ async def test_cancelled_tasks_under_load_leave_nothing_pinned_or_wrong(procs: P
         await engine.flush()
         stats = engine.statistics()
         cpu = stats.tiers["cpu"].statistics
-        assert (cpu.pinned, cpu.being_written, stats.in_flight) == (0, 0, 0)
+        assert (cpu.pinned, cpu.being_written, stats.front.in_flight) == (0, 0, 0)
         # Every chain still found loads each rank's own bytes.
         checked = 0
         for t in range(24):

@@ -13,6 +13,7 @@ vLLM loads it through its ``OffloadingConnector``::
 :mod:`.worker` (its worker side), :mod:`._common` and :mod:`.serve` (vLLM's
 command line on its CPU build) import vLLM; this package itself does not, nor
 do :mod:`.settings` (the configuration), :mod:`.identity` (the model's
-fingerprint) and :mod:`.encoding` (what the bytes mean), which are usable
+fingerprint), :mod:`.encoding` (what the bytes mean) and :mod:`.statistics`
+(the front's own statistics record and its metrics), which are usable
 without it. See docs/vllm.md.
 """

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # type: ignore[import-not-found]
@@ -32,6 +32,7 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
 
 from kvtier.chain import (
     Answer,
+    ChainStatistics,
     FrontCounts,
     FrontStatistics,
     ReadDone,
@@ -45,23 +46,17 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import BusyError
 from kvtier.integrations.vllm._common import RowsSpec, _LoopThread, offload_key_to_kvtier
 from kvtier.integrations.vllm.settings import VLLMSettings
+from kvtier.integrations.vllm.statistics import VLLM_METRICS, VLLMCounts
 from kvtier.layout import KVLayout
 from kvtier.manager import BlockRemoved, ManagerEvent
 from kvtier.metrics import (
-    DEADLINE_MISSES,
-    EVENTS_DROPPED,
-    EVENTS_PUBLISHED,
-    LOADS_DECLINED,
-    LOOKUPS,
+    METRICS,
     READ_DURATION,
-    ROW_LIMIT_MISSES,
     WRITE_DURATION,
     DeltaReporter,
     Samples,
-    TierMetrics,
     as_json,
-    samples,
-    tier_metrics,
+    front_samples,
 )
 from kvtier.region import CPURegion
 from kvtier.tiers.base import Tier
@@ -153,12 +148,15 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self._announced_file: set[bytes] = set()
         self._closed = False
         self._counts = FrontCounts()
-        """What this front counts itself, beside the chain (:meth:`statistics`)."""
+        """What this front counts as every front does, beside the chain (:meth:`statistics`)."""
+        self._own = VLLMCounts()
+        """What only this front counts (:meth:`statistics`' ``front``; the chain
+        counts the lookups its deadlines and row limit answered)."""
         self._last_stats = ""
         self._refusal_logged = False
         # kvtier's metrics for vLLM (get_stats): totals turned into increases,
         # and how long each tier's jobs took.
-        self._reporter = DeltaReporter()
+        self._reporter = DeltaReporter(metrics=(*METRICS, *VLLM_METRICS))
         self._row_bytes = region.slice_bytes * region.world_size
         # Whether a figure may have changed since the last get_stats: most
         # steps (decoding) change none, and then cost no snapshot at all.
@@ -421,15 +419,25 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             )
         return [info]
 
-    def statistics(self) -> FrontStatistics:
+    def statistics(self) -> FrontStatistics[VLLMCounts]:
         """Every tier (the chain's counts, their bytes and busy time, the tier's own
-        record) and this front's counters: the record ``Engine.statistics()`` returns.
+        record), the counters of every front, and this front's own in ``front``
+        (:class:`~kvtier.integrations.vllm.statistics.VLLMCounts`).
 
         The ``statistics_file`` holds it as JSON (:func:`dataclasses.asdict`),
         with the totals of kvtier's Prometheus metrics under ``metrics`` (metric
         name, then label values joined by commas: see :func:`kvtier.metrics.as_json`).
         """
-        return self._runtime.statistics(self._counts)
+        own = self._own
+
+        def front(chain: ChainStatistics) -> VLLMCounts:
+            return replace(
+                own,
+                lookup_deadline_misses=chain.lookup_deadline_misses,
+                lookup_row_limit_misses=chain.lookup_row_limit_misses,
+            )
+
+        return self._runtime.statistics(self._counts, front)
 
     def statistics_json(self) -> dict[str, Any]:
         """What the ``statistics_file`` holds: :meth:`statistics` as
@@ -438,28 +446,9 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         st = self.statistics()
         return {**asdict(st), "metrics": as_json(self._metrics(st))}
 
-    def _metrics(self, st: FrontStatistics) -> Samples:
+    def _metrics(self, st: FrontStatistics[VLLMCounts]) -> Samples:
         """Every metric of this front in ``st``, as totals (docs/operations.md, "Metrics")."""
-        row_bytes = self._row_bytes
-        tiers: dict[str, TierMetrics] = {
-            name: tier_metrics(
-                report,
-                row_bytes=row_bytes,
-                store_refusals=st.store_refusals if name == "cpu" else None,
-            )
-            for name, report in st.tiers.items()
-        }
-        return samples(
-            tiers,
-            {
-                (LOOKUPS.name, ()): st.lookups,
-                (DEADLINE_MISSES.name, ()): st.deadline_misses,
-                (ROW_LIMIT_MISSES.name, ()): st.row_limit_misses,
-                (LOADS_DECLINED.name, ()): st.loads_declined,
-                (EVENTS_PUBLISHED.name, ()): st.events_published,
-                (EVENTS_DROPPED.name, ()): st.events_dropped,
-            },
-        )
+        return front_samples(st, self._row_bytes, VLLM_METRICS)
 
     def _key(self, key: OffloadKey) -> bytes:
         return offload_key_to_kvtier(bytes(key), self._ns)
@@ -516,18 +505,18 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
                 removal_expected=file and not removed,
             )
         )
-        self._counts.events_published += len(names)
+        self._own.events_published += len(names)
         self._event_keys += len(names)
         while self._event_keys > MAX_PENDING_EVENT_KEYS and len(events) > 1:
             old = events.popleft()
             self._event_keys -= len(old.keys)
-            if not self._counts.events_dropped:
+            if not self._own.events_dropped:
                 log.warning(
                     "kvtier's KV cache events are not being taken: dropping the oldest "
                     "(more than %d keys queued)",
                     MAX_PENDING_EVENT_KEYS,
                 )
-            self._counts.events_dropped += len(old.keys)
+            self._own.events_dropped += len(old.keys)
 
     def _translate(self, events: Iterable[ManagerEvent], medium: Medium) -> None:
         for ev in events:

@@ -88,6 +88,7 @@ from kvtier.integrations.vllm.manager import (
     KVTierOffloadingManager,
 )
 from kvtier.integrations.vllm.settings import VLLMSettings, parse_extra_config
+from kvtier.integrations.vllm.statistics import VLLM_METRICS
 from kvtier.integrations.vllm.worker import KVTierOffloadingWorker, group_segments
 from kvtier.metrics import (
     METRICS,
@@ -166,14 +167,19 @@ class KVTierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
-        """kvtier's metrics (:mod:`kvtier.metrics`, those of the vLLM front), in vLLM's terms.
+        """kvtier's metrics (:mod:`kvtier.metrics`, those of the vLLM front, and its own
+        record's: :mod:`.statistics`), in vLLM's terms.
 
         vLLM's front-end process creates each under the name given (no
         ``vllm:`` prefix is added) with its ``model_name`` and ``engine``
         labels before kvtier's own (``tier``); the manager's :meth:`get_stats
         <KVTierOffloadingManager.get_stats>` reports their values.
         """
-        return {spec.name: _metadata(spec) for spec in METRICS if "vllm" in spec.fronts}
+        return {
+            spec.name: _metadata(spec)
+            for spec in (*METRICS, *VLLM_METRICS)
+            if "vllm" in spec.fronts
+        }
 
     def get_manager(self) -> KVTierOffloadingManager:
         """The scheduler side (EngineCore process): residency, file tier."""

@@ -160,7 +160,7 @@ class ClusterTierStatistics:
     """Nodes in an outage now: their blocks are misses, without I/O."""
 
     def metric_figures(self) -> dict[str, int | float | str]:
-        """The cluster tier's own figures of :class:`kvtier.metrics.TierMetrics`."""
+        """The cluster tier's own figures (:data:`kvtier.metrics.OWN_FIGURES`)."""
         return {
             "integrity_failures_total": self.verification_failures,
             "vanished_blocks_total": self.vanished,

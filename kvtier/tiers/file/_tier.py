@@ -194,7 +194,7 @@ class FileTierStatistics:
     its owner meanwhile: misses, not damage (also in ``misses``)."""
 
     def metric_figures(self) -> dict[str, int | float | str]:
-        """The file tier's own figures of :class:`kvtier.metrics.TierMetrics`."""
+        """The file tier's own figures (:data:`kvtier.metrics.OWN_FIGURES`)."""
         return {
             # Every block failing verification has its slot quarantined.
             "integrity_failures_total": self.quarantined,

@@ -129,7 +129,7 @@ class HostTierStatistics:
         return self.stores * self.row_bytes
 
     def metric_figures(self) -> dict[str, int | float | str]:
-        """The host tier's own figures of :class:`kvtier.metrics.TierMetrics`."""
+        """The host tier's own figures (:data:`kvtier.metrics.OWN_FIGURES`)."""
         return {
             "integrity_failures_total": self.integrity_failures,
             "evictions_total": self.evictions,

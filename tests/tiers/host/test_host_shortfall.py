@@ -136,12 +136,12 @@ async def test_concurrent_loads_of_stored_chains_are_never_cut_short(tmp_path: P
         assert not wrong, f"wrong bytes served: {wrong}"
         assert not short, (
             f"loads cut short (round, chain, blocks): {short}; load_shortfalls "
-            f"{st.load_shortfalls}, host read_failures {st.tiers['host'].read_failures}"
+            f"{st.front.load_shortfalls}, host read_failures {st.tiers['host'].read_failures}"
         )
-        assert st.load_shortfalls == 0
+        assert st.front.load_shortfalls == 0
         assert st.tiers["file"].read_failures == 0
         assert st.tiers["file"].statistics.evictions == 0  # it kept everything
-        assert st.tiers["host"].blocks_out > 0  # the host tier served some
+        assert st.tiers["host"].read_blocks > 0  # the host tier served some
 
 
 async def test_a_block_the_host_tier_fails_to_deliver_is_read_from_the_file_tier(
@@ -167,10 +167,10 @@ async def test_a_block_the_host_tier_fails_to_deliver_is_read_from_the_file_tier
         assert await engine.load(keys, ids) == CHAIN
         assert _wrong(kv, 1, ids, CHAIN) == []
         st = engine.statistics()
-        assert st.load_shortfalls == 0
+        assert st.front.load_shortfalls == 0
         assert st.tiers["host"].read_failures == 1
         assert st.tiers["host"].statistics.integrity_failures == 1
-        assert st.tiers["file"].blocks_out >= 1  # the damaged block came from file
+        assert st.tiers["file"].read_blocks >= 1  # the damaged block came from file
 
 
 # -- the host tier's own evictions and the reads asked of it --------------------------------
