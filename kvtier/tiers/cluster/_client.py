@@ -845,7 +845,7 @@ def make_client(config: ClusterTierConfig) -> Redis | RedisCluster:
             # Every 5th MOVED, redis-py would otherwise close every connection
             # to rebuild its slot map, failing the pipelines in flight on the
             # other nodes too (thousands of blocks per reshard, measured in
-            # tests/cluster/test_resharding.py); with 0 it patches the map
+            # tests/tiers/cluster/test_resharding.py); with 0 it patches the map
             # from each MOVED, and an outage's probes refresh it (_refresh_slots).
             reinitialize_steps=0,
             max_connections=max(8, 2 * config.pipelines_per_node),

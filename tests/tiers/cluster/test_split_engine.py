@@ -18,7 +18,7 @@ from kvtier.workers import WorkerGroup
 
 from .conftest import config_for
 
-WORKER = Path(__file__).parent.parent / "workers" / "_worker.py"
+WORKER = Path(__file__).resolve().parents[2] / "workers" / "_worker.py"
 """The worker process of tests/workers: blocks 0-7 seeded by its rank, ``check`` on stdin."""
 WORLD = 2
 
