@@ -31,6 +31,7 @@ core owns::
 
 from kvtier.chain._core import Chain
 from kvtier.chain._decision import REMEASURE_S
+from kvtier.chain._loop import LoopThread
 from kvtier.chain._messages import (
     Answer,
     Intent,
@@ -44,7 +45,14 @@ from kvtier.chain._messages import (
     Write,
     Written,
 )
-from kvtier.chain._runtime import Runtime, Settled, Settlement, TierEvents, chain_for
+from kvtier.chain._runtime import (
+    Arrivals,
+    Runtime,
+    Settled,
+    Settlement,
+    TierEvents,
+    chain_for,
+)
 from kvtier.chain._statistics import (
     Busy,
     ChainStatistics,
@@ -57,12 +65,14 @@ from kvtier.chain._statistics import (
 __all__ = [
     "REMEASURE_S",
     "Answer",
+    "Arrivals",
     "Busy",
     "Chain",
     "ChainStatistics",
     "FrontCounts",
     "FrontStatistics",
     "Intent",
+    "LoopThread",
     "LowerTier",
     "Outcome",
     "Probe",

@@ -111,6 +111,11 @@ class Chain:
         than recomputing it; what recomputing a block costs, in seconds; whether
         to measure it from :meth:`place` to :meth:`stored` (vLLM's stores follow
         the compute): :class:`~kvtier.chain._decision.LoadDecision`.
+    row_limit
+        The most leading keys of one request that a lookup may answer other
+        than MISS: by default the CPU tier's rows (a request's prefix must fit
+        them); a front with a CPU tier of its own above the chain passes its
+        size (:meth:`read_into`).
     clock
         Monotonic seconds (tests pass their own).
 
@@ -133,6 +138,7 @@ class Chain:
         decline_slow_loads: bool = True,
         recompute_s_per_block: float | None = None,
         measure_recompute: bool = False,
+        row_limit: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cpu = cpu = ResidencyManager(rows, policy, tier="cpu", enable_events=enable_events)
@@ -146,7 +152,9 @@ class Chain:
             measure_recompute=measure_recompute,
             clock=clock,
         )
-        self._deadlines = Deadlines(lookup_deadline_s, cpu.capacity, clock)
+        self._deadlines = Deadlines(
+            lookup_deadline_s, cpu.capacity if row_limit is None else row_limit, clock
+        )
         self._lookups = lookups = Lookups(
             cpu,
             self._cpu_counts,
@@ -193,6 +201,10 @@ class Chain:
         self.lookup = lookups.lookup
         """Where a key can be served from now, key by key (vLLM's): :meth:`Lookups.lookup
         <kvtier.chain._lookups.Lookups.lookup>`."""
+        self.locate = lookups.locate
+        """Whether a lower tier can serve a key, for a front with a CPU tier of its own
+        (its reads go into its own slots): :meth:`Lookups.locate
+        <kvtier.chain._lookups.Lookups.locate>`."""
         self.prefix = lookups.prefix
         """The longest prefix some tier can serve, at once (the Engine's):
         :meth:`Lookups.prefix <kvtier.chain._lookups.Lookups.prefix>`."""
@@ -306,6 +318,65 @@ class Chain:
         past ``lookup_deadline_s``), or once one of these reads has settled.
         """
         return self._follow_ups.get(read.seq, ())
+
+    # -- a front's own CPU tier above the chain --------------------------------------------
+
+    def write_from(self, keys: Sequence[bytes], rows: Sequence[int]) -> list[Write]:
+        """Write blocks from slots of a front's own CPU tier to every tier below that
+        takes stores and lacks them; the writes (each settles with :class:`Written`).
+
+        For a front whose CPU tier is another engine's (:mod:`kvtier.below`): its
+        slots (``rows``, one per key) hold the blocks and stay stable until each
+        write settles; the chain pins nothing. Write-back tiers are written at
+        once too: that CPU tier evicts without telling the chain. Empty when
+        every tier holds every key already.
+        """
+        writes = []
+        for i, tier in enumerate(self._lower):
+            if not tier.spec.takes_stores:
+                continue
+            known = tier.known
+            todo = [(k, r) for k, r in zip(keys, rows, strict=True) if k not in known]
+            if not todo:
+                continue
+            write = Write(
+                i,
+                tuple(k for k, _r in todo),
+                tuple(r for _k, r in todo),
+                seq=self._next(),
+                given=True,
+            )
+            self._intents.append(write)
+            writes.append(write)
+        return writes
+
+    def read_into(
+        self, keys: Sequence[bytes], rows: Sequence[int]
+    ) -> tuple[list[Read], tuple[bytes, ...]]:
+        """Read blocks into slots of a front's own CPU tier, each from the highest
+        tier known to hold it: the reads (one per tier, each settling with
+        :class:`ReadDone`), and the keys no tier is known to hold (misses now).
+
+        A block a read does not deliver falls through to the tiers below that
+        hold it, into the same slot (:meth:`follow_ups`), within
+        ``lookup_deadline_s`` of its first read. Nothing enters the chain's
+        CPU tier, and nothing is promoted up (the slot is the front's once the
+        reads settle).
+        """
+        tier_of = self.lower_of
+        held: list[bytes] = []
+        slots: list[int] = []
+        missing: list[bytes] = []
+        for k, r in zip(keys, rows, strict=True):
+            if tier_of(k) is None:
+                missing.append(k)
+            else:
+                held.append(k)
+                slots.append(r)
+        reads = self._reads(held, slots, tier_of, given=True) if held else []
+        for read in reads:
+            self._read(read)
+        return reads, tuple(missing)
 
     def probe(self, index: int, keys: Sequence[bytes]) -> Probe:
         """Ask lower tier ``index`` which of ``keys`` it holds: the :class:`Probe` queued."""
@@ -425,6 +496,8 @@ class Chain:
         rows: Sequence[int],
         tier_of: Callable[[bytes], int | None],
         follows: int = 0,
+        *,
+        given: bool = False,
     ) -> list[Read]:
         """One :class:`Read` per tier (in tier order) of ``keys`` into ``rows``."""
         by_tier: dict[int, list[tuple[bytes, int]]] = {}
@@ -439,6 +512,7 @@ class Chain:
                 tuple(s for _k, s in by_tier[i]),
                 self._next(),
                 follows=follows,
+                given=given,
             )
             for i in sorted(by_tier)
         ]
@@ -450,7 +524,7 @@ class Chain:
         another), else now.
         """
         self._read_since.setdefault(read.seq, self._clock() if since is None else since)
-        if self._write_back.hold(read):
+        if not read.given and self._write_back.hold(read):
             return
         self._intents.append(read)
         self._decision.read_started(read.tier, len(read.keys))
@@ -464,6 +538,9 @@ class Chain:
         since = self._read_since.pop(read.seq, None)
         if read.follows:
             self._follow_ups.pop(read.follows, None)  # its front has asked by now
+        if read.given:
+            self._settle_given_read(read, good, bad, since)
+            return
         if good:
             self._cpu.complete_store(good, True)
             tier.counts.read_blocks += len(good)
@@ -482,6 +559,19 @@ class Chain:
         self._lookups.ended([k for k in read.keys if k not in again])
         if good and tier.spec.promote_up and read.tier:
             self._write_down(good, range(read.tier), store=False)
+
+    def _settle_given_read(
+        self, read: Read, good: list[bytes], bad: list[bytes], since: float | None
+    ) -> None:
+        """A read into a front's slots ended: counted; what it missed falls through."""
+        tier = self._lower[read.tier]
+        tier.counts.read_blocks += len(good)
+        again: set[bytes] = set()
+        if bad:
+            tier.counts.read_failures += len(bad)
+            tier.forget(bad)
+            again = self._fall_through(read, bad, since, False)
+        self._lookups.ended([k for k in read.keys if k not in again])
 
     def _fall_through(
         self, read: Read, bad: Sequence[bytes], since: float | None, lookup: bool
@@ -516,7 +606,7 @@ class Chain:
             lookups.moved(k, below)
         if not keys:
             return set()
-        reads = self._reads(keys, rows, below_of.__getitem__, follows=read.seq)
+        reads = self._reads(keys, rows, below_of.__getitem__, follows=read.seq, given=read.given)
         for again in reads:
             if lookup:
                 self._lookup_reads.add(again.seq)
@@ -535,6 +625,8 @@ class Chain:
         ok = [k for k in write.keys if k in done.stored]
         tier.counts.written_blocks += len(ok)
         tier.counts.write_failures += len(write.keys) - len(ok)
+        if write.given:
+            return  # a front's slots: no pin of the chain's
         if not write.evicting:
             self._unpin_written(write.keys)
             return

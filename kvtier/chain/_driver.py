@@ -18,7 +18,7 @@ from typing import TypeVar
 
 from kvtier.chain._messages import Intent, Probe, Probed, Read, ReadDone, Write, Written
 from kvtier.errors import KVTierError
-from kvtier.region import CPURegion
+from kvtier.region import Rows
 from kvtier.tiers.base import LoadResult, Refreshable, StoreResult, Tier
 from kvtier.transfer.completion import Completion
 
@@ -42,7 +42,7 @@ class TierDriver:
     names
         Their names (the chain's), for logs.
     region
-        The CPU region whose rows the intents name.
+        The rows the intents name (the CPU region, or the slots of a front's own CPU tier).
     post
         Receives every outcome, on the loop, as its tier call ends.
     """
@@ -51,7 +51,7 @@ class TierDriver:
         self,
         tiers: Sequence[Tier],
         names: Sequence[str],
-        region: CPURegion,
+        region: Rows,
         post: Callable[[Written | ReadDone | Probed], None],
     ) -> None:
         self.tiers = list(tiers)

@@ -145,6 +145,50 @@ class Lookups:
             return Answer.MISS
         return answer
 
+    def locate(self, key: bytes, request: object = None) -> Answer:
+        """Whether a lower tier can serve ``key``, for a front with a CPU tier of its
+        own above the chain (:mod:`kvtier.below`): it reads a HIT itself, into its
+        own slot (:meth:`~kvtier.chain.Chain.read_into`), so no read starts here.
+
+        HIT when a lower tier is known to hold ``key`` (and reading it beats
+        recomputing it: else MISS, counted in ``loads_declined``); RETRY while a
+        shared tier is asked (a probe), MISS past ``lookup_deadline_s``; else
+        MISS. ``request`` as in :meth:`lookup` (its wait is bounded; the row
+        limit is the chain's ``row_limit``).
+        """
+        req = None
+        if request is not None:
+            req = self._deadlines.enter(request, key)
+            if req is None:  # past the row limit
+                self.count += 1
+                return Answer.MISS
+        tier = self.lower_of(key)
+        if tier is None:
+            self.count += 1
+            waiting = self._waiting.get(key)
+            if waiting is None:
+                answer = self._ask(key)
+            elif self._clock() - waiting.since < self._deadline:
+                answer = Answer.RETRY
+            else:
+                self._deadlines.miss_late("a shared tier")
+                answer = Answer.MISS
+            if answer is Answer.RETRY and req is not None and not self._deadlines.wait(req):
+                return Answer.MISS
+            return answer
+        self.count += 1
+        self._waiting.pop(key, None)  # a probe found it
+        decision = self._decision
+        if decision.enabled:
+            m = (req.from_lower.get(tier, 0) if req is not None else 0) + 1
+            if not decision.worth_loading(tier, m):
+                decision.decline(tier)
+                return Answer.MISS
+            if req is not None:
+                req.from_lower[tier] = m
+        self._lower[tier].counts.lookup_hits += 1
+        return Answer.HIT
+
     def forget_request(self, request: object) -> None:
         """``request`` looks nothing up any more (it finished)."""
         self._deadlines.forget(request)
@@ -314,6 +358,11 @@ class Lookups:
                 self._to_read.setdefault(key, i)
                 self._waiting[key] = _Waiting(self._clock(), i, read=True)
                 return Answer.RETRY
+        return self._ask(key)
+
+    def _ask(self, key: bytes) -> Answer:
+        """``key`` is in no tier this instance knows of: RETRY while a shared tier is
+        asked whether it holds it (a probe queued), else MISS."""
         now = self._clock()
         for i, tier in enumerate(self._lower):
             if tier.spec.shared and now - tier.absent.get(key, -1e300) >= self._probe_ttl:

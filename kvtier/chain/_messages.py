@@ -82,6 +82,10 @@ class Write:
     seq: int = 0
     """The chain's number for this intent (unique per chain): its outcome names
     the intent, and a front matches the two by this number."""
+    given: bool = False
+    """``rows`` are slots a front's own CPU tier holds stable until this write
+    settles (:meth:`~kvtier.chain.Chain.write_from`), not the chain's CPU rows:
+    no pin of the chain's is held."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +102,9 @@ class Read:
     """The ``seq`` of the read whose undelivered blocks this one reads from a
     lower tier, into the same rows (see :meth:`~kvtier.chain.Chain.follow_ups`); 0 for a
     first read."""
+    given: bool = False
+    """``rows`` are slots of a front's own CPU tier (:meth:`~kvtier.chain.Chain.read_into`),
+    not the chain's CPU rows: what it delivers is the front's, never a CPU-tier block."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,11 +68,11 @@ from kvtier.chain._statistics import Busy, FrontCounts, FrontStatistics, TierCou
 from kvtier.config import KVTierConfig
 from kvtier.errors import ProtocolError
 from kvtier.manager import ManagerEvent, ManagerStatistics
-from kvtier.region import CPURegion
+from kvtier.region import Rows
 from kvtier.tiers.base import Announces, Recovers, Tier, TierStatistics, Watched
 from kvtier.transfer.completion import Completion
 
-__all__ = ["Runtime", "Settled", "Settlement", "TierEvents", "chain_for"]
+__all__ = ["Arrivals", "Runtime", "Settled", "Settlement", "TierEvents", "chain_for"]
 
 if TYPE_CHECKING:
     from kvtier.chain._statistics import ChainStatistics
@@ -132,6 +132,34 @@ class TierEvents:
     events: tuple[ManagerEvent, ...]
 
 
+class Arrivals:
+    """How many outcomes a queued runtime has queued; threads may wait for the next one.
+
+    The tiers' loop counts each outcome it queues; a front's thread that waits
+    for an outcome (SGLang's storage threads wait for their transfers) notes
+    :attr:`count`, drains, and if what it waits for is not there yet, waits
+    for the count to move past what it noted.
+    """
+
+    __slots__ = ("_cond", "count")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self.count = 0
+        """Outcomes queued so far."""
+
+    def arrived(self) -> None:
+        """The tiers' loop queued an outcome."""
+        with self._cond:
+            self.count += 1
+            self._cond.notify_all()
+
+    def wait_past(self, count: int, timeout: float | None) -> bool:
+        """Wait until :attr:`count` moves past ``count``; False if ``timeout`` ends first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.count != count, timeout)
+
+
 class Runtime:
     """Carries a chain's intents out on its tiers' loop; settles their outcomes on the chain.
 
@@ -142,7 +170,8 @@ class Runtime:
     tiers, names
         The open tiers below the CPU region, in the chain's order, and their names.
     region
-        The CPU region whose rows the intents name.
+        The rows the intents name: the CPU region, or the slots of a front's
+        own CPU tier (:class:`~kvtier.region.ForeignRows`).
     loop
         The event loop that owns the tiers.
     queued
@@ -165,7 +194,7 @@ class Runtime:
         chain: Chain,
         tiers: Sequence[Tier],
         names: Sequence[str],
-        region: CPURegion,
+        region: Rows,
         loop: asyncio.AbstractEventLoop,
         *,
         queued: bool,
@@ -177,6 +206,9 @@ class Runtime:
         self._loop = loop
         self._queued = queued
         self._events_from = events_from
+        self.arrivals = Arrivals()
+        """Queued: counts the outcomes queued for :meth:`drain` (a front whose
+        threads wait for outcomes waits on it, then drains)."""
         self._driver = TierDriver(tiers, names, region, self._arrived)
         self._busy = [Busy() for _ in self.tiers]
         """Each lower tier's reads and writes, timed on the tiers' loop."""
@@ -403,6 +435,7 @@ class Runtime:
     def _post(self, outcome: Outcome, seconds: float | None) -> None:
         if self._queued:
             self._queue.append(Settled(outcome, seconds))
+            self.arrivals.arrived()
         else:
             self._settle(outcome)
 
@@ -487,6 +520,7 @@ def chain_for(
     lookup_deadline_s: float,
     measure_recompute: bool,
     enable_events: bool = False,
+    row_limit: int | None = None,
 ) -> Chain:
     """The chain of ``config`` over its open ``tiers`` (as the factory opened them), for
     any front: each lower tier's role from its config (write policy, promotion
@@ -501,6 +535,9 @@ def chain_for(
     measure_recompute
         Whether the front's stores follow the compute that made the blocks
         (vLLM's), so that the recompute cost can be measured from them.
+    row_limit
+        The most leading keys of one request a lookup may serve (default
+        ``rows``): a front with a CPU tier of its own passes that tier's size.
     """
     specs = config.chain
     if len(specs) != len(tiers):  # pragma: no cover - the factory opens one per spec
@@ -522,6 +559,7 @@ def chain_for(
         decline_slow_loads=config.decline_slow_loads or config.recompute_s_per_block is not None,
         recompute_s_per_block=config.recompute_s_per_block,
         measure_recompute=measure_recompute,
+        row_limit=row_limit,
     )
 
 

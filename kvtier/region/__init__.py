@@ -40,11 +40,19 @@ from kvtier.errors import (
 )
 from kvtier.layout import KVLayout
 from kvtier.region import _shm
+from kvtier.region._rows import ForeignRows, Rows, address_of
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CPURegion", "RegionStatistics", "reap_shared_regions"]
+__all__ = [
+    "CPURegion",
+    "ForeignRows",
+    "RegionStatistics",
+    "Rows",
+    "address_of",
+    "reap_shared_regions",
+]
 
 PinMode = Literal["auto", "on", "off"]
 Backing = Literal["anonymous", "shm", "hugetlbfs"]

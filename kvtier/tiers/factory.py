@@ -30,7 +30,7 @@ from kvtier.tiers.file import FileTier
 from kvtier.tiers.host import ChainedHostTier
 
 if TYPE_CHECKING:
-    from kvtier.region import CPURegion
+    from kvtier.region import Rows
     from kvtier.transfer.io_engine import IOEngine
 
 __all__ = ["aclose_tiers", "open_tier", "open_tiers"]
@@ -41,7 +41,7 @@ log = logging.getLogger("kvtier.tiers")
 async def open_tier(
     spec: TierConfig,
     layout: KVLayout,
-    region: CPURegion,
+    region: Rows,
     *,
     io_engine: IOEngine | None = None,
     enable_events: bool = False,
@@ -78,7 +78,7 @@ async def open_tier(
 async def open_tiers(
     config: KVTierConfig,
     layout: KVLayout,
-    region: CPURegion,
+    region: Rows,
     *,
     io_engine: IOEngine | None = None,
     enable_events: bool = False,

@@ -103,7 +103,7 @@ def test_settings_build_kvtiers_config(tmp_path: Path) -> None:
                 "cpu_bytes_to_use": "1GiB",
                 "cluster_tier": {"nodes": ["127.0.0.1:7000"], "password": "s3cret"},
             },
-            "cluster_tier.password would be logged by vLLM",
+            "cluster_tier.password would be logged by the engine",
             id="cluster-password-in-json",
         ),
         pytest.param(

@@ -1,4 +1,4 @@
-"""What both sides of kvtier's vLLM front share: row layout, keys, the loop thread, logging.
+"""What both sides of kvtier's vLLM front share: row layout, keys, logging.
 
 No class here holds state of one side; :mod:`.manager` (the scheduler side) and
 :mod:`.worker` (a worker's data plane) build on it, and :mod:`.spec` wires them.
@@ -6,13 +6,9 @@ No class here holds state of one side; :mod:`.manager` (the scheduler side) and
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
-import threading
-from collections.abc import Coroutine
-from typing import Any, TypeVar
 
 import vllm  # type: ignore[import-not-found]
 from vllm.platforms import current_platform  # type: ignore[import-not-found]
@@ -35,8 +31,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvtier.integrations.vllm")
-
-T = TypeVar("T")
 
 _PERSON = b"kvtier.vllm.v1"
 
@@ -177,28 +171,3 @@ def follow_vllm_logging() -> None:
 def _region_identity(engine_id: str) -> tuple[str, bytes]:
     digest = hashlib.blake2b(engine_id.encode(), digest_size=32, person=_PERSON).digest()
     return f"vllm-{digest[:12].hex()}", digest[16:]
-
-
-class _LoopThread:
-    """An asyncio event loop running in a daemon thread of its own."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on the loop and wait for it (start-up and shutdown only)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def soon(self, fn: Any, *args: Any) -> None:
-        """Call ``fn(*args)`` on the loop thread; never blocks."""
-        self.loop.call_soon_threadsafe(fn, *args)
-
-    def stop(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10.0)
-        if not self._thread.is_alive():
-            self.loop.close()

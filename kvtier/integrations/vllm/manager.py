@@ -35,6 +35,7 @@ from kvtier.chain import (
     ChainStatistics,
     FrontCounts,
     FrontStatistics,
+    LoopThread,
     ReadDone,
     Runtime,
     Settled,
@@ -44,7 +45,7 @@ from kvtier.chain import (
 )
 from kvtier.config import KVTierConfig
 from kvtier.errors import BusyError
-from kvtier.integrations.vllm._common import RowsSpec, _LoopThread, offload_key_to_kvtier
+from kvtier.integrations.vllm._common import RowsSpec, offload_key_to_kvtier
 from kvtier.integrations.vllm.settings import VLLMSettings
 from kvtier.integrations.vllm.statistics import VLLM_METRICS, VLLMCounts
 from kvtier.layout import KVLayout
@@ -115,7 +116,7 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
         settings: VLLMSettings,
         layout: KVLayout,
         region: CPURegion,
-        loop: _LoopThread,
+        loop: LoopThread,
         tiers: list[Tier],
         *,
         enable_events: bool = False,
@@ -197,10 +198,10 @@ class KVTierOffloadingManager(OffloadingManager):  # type: ignore[misc]
             ``enable_kv_cache_events``).
         """
         config = settings.config
-        loop: _LoopThread | None = None
+        loop: LoopThread | None = None
         tiers: list[Tier] = []
         try:
-            loop = _LoopThread("kvtier-vllm-scheduler")
+            loop = LoopThread("kvtier-vllm-scheduler")
             # The tiers run on the loop thread; a tier that fails to open closes
             # those opened before it.
             tiers = loop.run(open_tiers(config, layout, region, enable_events=enable_events))

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import KVTierConfig
+from kvtier.embedded import cluster_secrets, lookup_deadline, written_through
 from kvtier.errors import ConfigurationError
 
 __all__ = ["VLLM_KEYS", "VLLMSettings", "parse_extra_config"]
@@ -43,6 +44,8 @@ _OWN_KEYS = frozenset(
         "recompute_s_per_block",
     }
 )
+
+_WHERE = "kv_connector_extra_config"
 
 DEFAULT_LOOKUP_DEADLINE_S = 2.0
 """How long a lookup may wait on a lower tier's read or probe before it is a miss."""
@@ -132,29 +135,17 @@ def parse_extra_config(
         if k in extra
     }
     if "cluster_tier" in fields:
-        fields["cluster_tier"] = _cluster_secrets(fields["cluster_tier"])
+        fields["cluster_tier"] = cluster_secrets(fields["cluster_tier"], _WHERE)
     config = KVTierConfig.from_dict(
         {**fields, "blocks_per_chunk": blocks_per_chunk, "world_size": world_size}
     )
-    for name, spec in config.chain:
-        if spec.write_policy != "write_through":
-            raise ConfigurationError(
-                f'kv_connector_extra_config: {name}_tier.write_policy must be "write_through" '
-                "inside vLLM (write-back would make vLLM's synchronous prepare_store wait "
-                "for the tier's writes)",
-                ((f"{name}_tier.write_policy", "write_back is not supported inside vLLM"),),
-            )
-    deadline = extra.get("lookup_deadline_s", DEFAULT_LOOKUP_DEADLINE_S)
-    if (
-        isinstance(deadline, bool)
-        or not isinstance(deadline, int | float)
-        or not 0 < deadline <= 600
-    ):
-        raise ConfigurationError(
-            f"kv_connector_extra_config: lookup_deadline_s must be a number of seconds in "
-            f"(0, 600], got {deadline!r}",
-            (("lookup_deadline_s", "not a number of seconds in (0, 600]"),),
-        )
+    written_through(
+        config,
+        _WHERE,
+        "inside vLLM (write-back would make vLLM's synchronous prepare_store wait for "
+        "the tier's writes)",
+    )
+    deadline = lookup_deadline(extra, DEFAULT_LOOKUP_DEADLINE_S, _WHERE)
     stats = extra.get("statistics_file")
     if stats is not None and not isinstance(stats, str):
         raise ConfigurationError(
@@ -169,57 +160,8 @@ def parse_extra_config(
             (("model_revision", "not a non-empty string"),),
         )
     return VLLMSettings(
-        config, None if stats is None else _statistics_path(stats), revision, float(deadline)
+        config, None if stats is None else _statistics_path(stats), revision, deadline
     )
-
-
-def _cluster_secrets(table: object) -> object:
-    """``cluster_tier`` with its password read from the environment or a file.
-
-    vLLM logs ``kv_connector_extra_config`` whole at start-up: a password
-    there would land in every log. ``password_env`` names an environment
-    variable, ``password_file`` a file (its first line); ``password`` itself
-    is refused.
-    """
-    if not isinstance(table, Mapping):
-        return table  # KVTierConfig names the problem
-    out = dict(table)
-    if "password" in out:
-        raise ConfigurationError(
-            "kv_connector_extra_config: cluster_tier.password would be logged by vLLM "
-            "with the rest of kv_connector_extra_config: give password_env (an "
-            "environment variable's name) or password_file instead",
-            (
-                (
-                    "cluster_tier.password",
-                    "not accepted inside vLLM: use password_env or password_file",
-                ),
-            ),
-        )
-    env, path = out.pop("password_env", None), out.pop("password_file", None)
-    if env is not None and path is not None:
-        raise ConfigurationError(
-            "kv_connector_extra_config: cluster_tier takes password_env or password_file, not both",
-            (("cluster_tier.password_env", "given with password_file"),),
-        )
-    if env is not None:
-        if not isinstance(env, str) or env not in os.environ:
-            raise ConfigurationError(
-                f"kv_connector_extra_config: cluster_tier.password_env names {env!r}, which is "
-                "not set in this process's environment",
-                (("cluster_tier.password_env", "not set"),),
-            )
-        out["password"] = os.environ[env]
-    elif path is not None:
-        try:
-            out["password"] = Path(str(path)).read_text().splitlines()[0]
-        except (OSError, IndexError) as exc:
-            raise ConfigurationError(
-                f"kv_connector_extra_config: cluster_tier.password_file {path!r} cannot be "
-                f"read: {exc}",
-                (("cluster_tier.password_file", "unreadable or empty"),),
-            ) from exc
-    return out
 
 
 def _statistics_path(value: str) -> Path:

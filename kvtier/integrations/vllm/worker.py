@@ -21,8 +21,8 @@ from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found]
     TransferResult,
 )
 
+from kvtier.chain import LoopThread
 from kvtier.errors import LayoutError
-from kvtier.integrations.vllm._common import _LoopThread
 from kvtier.layout import KVLayout
 from kvtier.region import CPURegion
 from kvtier.transfer.completion import Completion
@@ -104,7 +104,7 @@ class KVTierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
     """
 
     def __init__(
-        self, layout: KVLayout, region: CPURegion, transfer: DeviceTransfer, loop: _LoopThread
+        self, layout: KVLayout, region: CPURegion, transfer: DeviceTransfer, loop: LoopThread
     ) -> None:
         """Use :meth:`open`."""
         self._layout = layout
@@ -130,7 +130,7 @@ class KVTierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             The tensors' pages do not add up to vLLM's ``worker_kv_bytes_per_block``
             (e.g. packed layouts), or a tensor is not contiguous.
         """
-        loop: _LoopThread | None = None
+        loop: LoopThread | None = None
         try:
             tensors = [t.tensor for t in kv_caches.tensors]
             layout = KVLayout.from_tensors(
@@ -155,7 +155,7 @@ class KVTierOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 off = layout.tensor_offset(i)
                 views.append(whole[:, off : off + t.bytes_per_block * layout.blocks_per_chunk])
             transfer = open_device_transfer(layout, tensors, views)
-            loop = _LoopThread(f"kvtier-vllm-worker-{row.tp_rank}")
+            loop = LoopThread(f"kvtier-vllm-worker-{row.tp_rank}")
         except BaseException:
             region.close()
             raise
