@@ -115,7 +115,7 @@ test-vllm: $(VLLM_STAMP) $(VLLM_NEXT_DIR)/vllm/__init__.py
 	$(VLLM_PY) -m pytest -c tests_vllm/pytest.ini --rootdir=. -q tests_vllm
 	PYTHONPATH=$(VLLM_NEXT_DIR) KVTIER_VLLM_INTERFACE=0.33 $(VLLM_PY) -m pytest \
 		-c tests_vllm/pytest.ini --rootdir=. -q tests_vllm/test_vllm_manager.py \
-		tests_vllm/test_vllm_metrics.py -k 'not vllm_serve'
+		tests_vllm/test_vllm_metrics.py tests_vllm/test_vllm_secondary_tier.py -k 'not vllm_serve'
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis .reports .vllm-*

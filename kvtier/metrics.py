@@ -56,6 +56,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
+from kvtier.below import LowerCounts
 from kvtier.chain import FrontStatistics, TierReport
 from kvtier.engine import EngineCounts
 from kvtier.errors import ConfigurationError
@@ -77,6 +78,8 @@ __all__ = [
     "FRONT_FIGURES",
     "FRONT_METRICS",
     "LOOKUPS",
+    "LOWER_FIGURES",
+    "LOWER_METRICS",
     "METRICS",
     "OWN_FIGURES",
     "OWN_METRICS",
@@ -105,12 +108,12 @@ RECOVERY_STATES = ("running", "complete", "failed")
 """Values of the ``state`` label of ``kvtier_recovery_state``."""
 
 Kind = Literal["counter", "gauge", "histogram"]
-Front = Literal["engine", "vllm"]
+Front = Literal["engine", "vllm", "lower"]
 
 Samples = dict[tuple[str, tuple[str, ...]], float]
 """(metric name, label values: ``tier`` first where it has one) -> value."""
 
-_BOTH: tuple[Front, ...] = ("engine", "vllm")
+_BOTH: tuple[Front, ...] = ("engine", "vllm", "lower")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +131,8 @@ class MetricSpec:
     buckets: tuple[float, ...] | None = None
     """A histogram's upper bounds, in seconds."""
     fronts: tuple[Front, ...] = _BOTH
-    """The fronts that report it: ``engine`` (:class:`KVTierCollector`), ``vllm``."""
+    """The fronts that report it: ``engine`` (:class:`KVTierCollector`), ``vllm`` (the
+    0.32 front), ``lower`` (below another engine's CPU tier: :mod:`kvtier.below`)."""
     field: str | None = None
     """The record field (or a tier's own figure) it reports; None for a histogram."""
 
@@ -281,6 +285,20 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = record_metrics(
 )
 """One metric per :class:`~kvtier.EngineCounts` field (the Engine front only)."""
 
+LOWER_FIGURES: dict[str, Figure] = {
+    "jobs_failed": _counter("Transfer jobs of the engine above with at least one failed block."),
+    "blocks_failed": _counter(
+        "Blocks of the engine's jobs that failed (a load recomputed, a store not kept)."
+    ),
+    "refused": _counter("Jobs refused at once (kvtier closed, or a slot out of range)."),
+}
+"""Each field of :class:`~kvtier.below.LowerCounts`."""
+
+LOWER_METRICS: tuple[MetricSpec, ...] = record_metrics(
+    LowerCounts, LOWER_FIGURES, fronts=("lower",)
+)
+"""One metric per :class:`~kvtier.below.LowerCounts` field (the lower front only)."""
+
 OWN_METRICS: tuple[MetricSpec, ...] = tuple(
     MetricSpec(
         "kvtier_" + stem,
@@ -320,7 +338,7 @@ READ_DURATION = MetricSpec(
     "Seconds one read job of this tier took (CPU tier: from the scheduler step that "
     "started the load to the one that saw it done).",
     buckets=_DURATION_BUCKETS,
-    fronts=("vllm",),
+    fronts=("vllm", "lower"),
 )
 WRITE_DURATION = MetricSpec(
     "kvtier_write_duration_seconds",
@@ -328,7 +346,7 @@ WRITE_DURATION = MetricSpec(
     "Seconds one write job into this tier took (CPU tier: from the scheduler step that "
     "started the store to the one that saw it done).",
     buckets=_DURATION_BUCKETS,
-    fronts=("vllm",),
+    fronts=("vllm", "lower"),
 )
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -336,6 +354,7 @@ METRICS: tuple[MetricSpec, ...] = (
     *TIER_METRICS,
     *OWN_METRICS,
     *ENGINE_METRICS,
+    *LOWER_METRICS,
     READ_DURATION,
     WRITE_DURATION,
 )

@@ -104,7 +104,6 @@ def offloading_config(
         OffloadingConfig,
         OffloadingGroupConfig,
         OffloadingModelConfig,
-        OffloadingParallelConfig,
     )
 
     return OffloadingConfig(
@@ -125,18 +124,25 @@ def offloading_config(
         engine_id=engine_id or f"test-{uuid.uuid4()}",
         model=OffloadingModelConfig(name=model, dtype="float32"),
         cache=OffloadingCacheConfig(tokens_per_hash=128, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
+        parallel=single_rank(),
+    )
+
+
+def single_rank() -> Any:
+    """vLLM's ``OffloadingParallelConfig`` of one process: no parallelism."""
+    from vllm.v1.kv_offload.config import OffloadingParallelConfig
+
+    return OffloadingParallelConfig(
+        rank=0,
+        world_size=1,
+        tp_size=1,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        data_parallel_index=0,
+        data_parallel_size=1,
+        data_parallel_rank_local=None,
+        is_parallelism_agnostic=True,
     )
 
 

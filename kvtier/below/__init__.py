@@ -7,7 +7,7 @@ engine's CPU buffer is the rows (:class:`~kvtier.region.ForeignRows`), and the
 chain decides as for the other fronts. The two adapters are thin:
 :mod:`kvtier.integrations.vllm.tier` (vLLM 0.33's ``SecondaryTierManager``)
 and :mod:`kvtier.integrations.sglang` (SGLang's ``HiCacheStorage``). See
-docs/engines-below.md.
+docs/vllm.md ("Below vLLM 0.33's CPU tier") and docs/sglang.md.
 """
 
 from kvtier.below._front import JobDone, LowerCounts, LowerFront

@@ -26,6 +26,7 @@ __all__ = [
     "RowsSpec",
     "follow_vllm_logging",
     "kv_encoding",
+    "model_digest",
     "offload_key_to_kvtier",
     "row_layout",
 ]
@@ -117,10 +118,7 @@ def row_layout(config: OffloadingConfig, rank: int = 0, revision: str | None = N
     model_id = json.dumps(
         {
             "integration": "vllm",
-            "model": hashlib.blake2b(
-                json.dumps(model_identity(config.model.name, revision), sort_keys=True).encode(),
-                digest_size=16,
-            ).hexdigest(),
+            "model": model_digest(config, revision),
             # One group: its layers as a flat list, as before hybrid models.
             "layers": (
                 list(groups[0].layer_names)
@@ -147,6 +145,13 @@ def row_layout(config: OffloadingConfig, rank: int = 0, revision: str | None = N
         tp_size=config.parallel.world_size,
         encoding=kv_encoding(config),
     )
+
+
+def model_digest(config: OffloadingConfig, revision: str | None = None) -> str:
+    """A digest of the identity of the model vLLM loaded (its files, or ``revision``):
+    :func:`~kvtier.integrations.vllm.identity.model_identity`, hashed."""
+    identity = json.dumps(model_identity(config.model.name, revision), sort_keys=True)
+    return hashlib.blake2b(identity.encode(), digest_size=16).hexdigest()
 
 
 def follow_vllm_logging() -> None:

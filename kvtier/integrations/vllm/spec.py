@@ -176,7 +176,7 @@ class KVTierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         <KVTierOffloadingManager.get_stats>` reports their values.
         """
         return {
-            spec.name: _metadata(spec)
+            spec.name: metric_metadata(spec)
             for spec in (*METRICS, *VLLM_METRICS)
             if "vllm" in spec.fronts
         }
@@ -201,7 +201,7 @@ class KVTierOffloadingSpec(OffloadingSpec):  # type: ignore[misc]
         return self._worker
 
 
-def _metadata(spec: MetricSpec) -> OffloadingMetricMetadata:
+def metric_metadata(spec: MetricSpec) -> OffloadingMetricMetadata:
     if spec.kind == "counter":
         return OffloadingCounterMetadata(spec.documentation, spec.labelnames)
     if spec.kind == "gauge":
