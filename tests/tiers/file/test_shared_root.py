@@ -269,8 +269,9 @@ async def test_a_closed_partition_is_adopted_and_stays_readable(
     rows = pattern_rows(ks)
     await b.store(ks, rows.rows())
     await b.aclose()
-    # Its blocks stay readable by a with nobody owning them.
-    await asyncio.sleep(3 * POLL)
+    # Its blocks stay readable by a with nobody owning them (once a's poll has seen
+    # them: a fixed sleep of a few polls lost the race on a loaded machine).
+    await until(lambda: a.lookup(ks) == 5)
     out = Rows(5)
     assert (await a.load(ks, out.rows())).loaded == tuple(ks)
     # The next tier to open adopts partition 1 (not a new one) and its blocks.
