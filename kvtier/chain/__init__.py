@@ -7,6 +7,7 @@ core owns::
     front ──calls──> Runtime (_runtime) ──values back──> front
                        │  takes intents, settles outcomes
                        ├── Chain (_core): the CPU tier's residency, the cascade
+                       │     ├── Reads (_reads): reads in flight, falling through
                        │     ├── Lookups (_lookups): the fronts' lookups and their waits
                        │     ├── LoadDecision (_decision): load or recompute
                        │     ├── Deadlines (_deadlines): per-request deadlines, row limit

@@ -45,7 +45,8 @@ What it decides:
 
 The chain holds the CPU tier's residency, places rows, and issues and
 settles the reads and writes; its parts are objects it owns, each in a module
-of its own: the fronts' lookups and the waits they start
+of its own: the reads in flight and their fall-through
+(:class:`~kvtier.chain._reads.Reads`), the fronts' lookups and the waits they start
 (:class:`~kvtier.chain._lookups.Lookups`), whether a lower tier's block is
 worth loading at all (:class:`~kvtier.chain._decision.LoadDecision`), the
 per-request deadlines and row limit (:class:`~kvtier.chain._deadlines.Deadlines`),
@@ -77,6 +78,7 @@ from kvtier.chain._messages import (
     Write,
     Written,
 )
+from kvtier.chain._reads import Reads
 from kvtier.chain._statistics import ChainStatistics, TierCounts
 from kvtier.chain._write_back import WriteBack
 from kvtier.manager import ResidencyManager, StorePlan
@@ -171,14 +173,17 @@ class Chain:
         self._intents: list[Intent] = []
         self._seq = 0
         self._write_pins: dict[bytes, int] = {}
-        self._read_since: dict[int, float] = {}
-        """Reads in flight: when the first read of their blocks was issued (a
-        read that follows another keeps that one's time: one deadline per block)."""
-        self._follow_ups: dict[int, tuple[Read, ...]] = {}
-        """Reads whose undelivered blocks went on to lower tiers, and those reads
-        (:meth:`follow_ups`), until one of those settles."""
-        self._lookup_reads: set[int] = set()
-        """Reads that lookups started (vLLM's): a block they deliver is a lookup hit."""
+        self._reads = Reads(
+            cpu,
+            self._lower,
+            lookups,
+            self._decision,
+            self._write_back,
+            self._intents,
+            self._next,
+            deadline_s=lookup_deadline_s,
+            clock=clock,
+        )
         self._refusals = 0
         # What the fronts ask, on their hot paths: answered by the residency and
         # the parts themselves (no second call through the chain).
@@ -298,9 +303,9 @@ class Chain:
         plan = self._place(todo)
         if plan is None:
             return []
-        reads = self._reads(plan.keys, plan.slots, lower_of)
+        reads = self._reads.make(plan.keys, plan.slots, lower_of)
         for read in reads:
-            self._read(read)
+            self._reads.issue(read)
         return reads
 
     def follow_ups(self, read: Read) -> tuple[Read, ...]:
@@ -317,7 +322,7 @@ class Chain:
         every block was delivered, or none is held below (or their wait is
         past ``lookup_deadline_s``), or once one of these reads has settled.
         """
-        return self._follow_ups.get(read.seq, ())
+        return self._reads.follow_ups(read)
 
     # -- a front's own CPU tier above the chain --------------------------------------------
 
@@ -373,9 +378,9 @@ class Chain:
             else:
                 held.append(k)
                 slots.append(r)
-        reads = self._reads(held, slots, tier_of, given=True) if held else []
+        reads = self._reads.make(held, slots, tier_of, given=True) if held else []
         for read in reads:
-            self._read(read)
+            self._reads.issue(read)
         return reads, tuple(missing)
 
     def probe(self, index: int, keys: Sequence[bytes]) -> Probe:
@@ -431,7 +436,8 @@ class Chain:
         for i, keys in lookups.probes_due():
             self._lower[i].counts.probes += len(keys)
             self._intents.append(Probe(i, keys, self._next()))
-        out, self._intents = self._intents, []
+        out = self._intents[:]
+        self._intents.clear()  # the one list the parts append to
         return out
 
     def settle(self, outcome: Outcome) -> None:
@@ -439,7 +445,9 @@ class Chain:
         if isinstance(outcome, Written):
             self._settle_write(outcome)
         elif isinstance(outcome, ReadDone):
-            self._settle_read(outcome)
+            promoted = self._reads.settle(outcome)
+            if promoted:  # a promotion from a tier that promotes up
+                self._write_down(promoted, range(outcome.intent.tier), store=False)
         elif isinstance(outcome, Probed):
             self._lookups.probed(outcome)
         else:
@@ -486,133 +494,8 @@ class Chain:
         if plan is None:
             return
         lookups.issued(plan.keys)
-        for read in self._reads(plan.keys, plan.slots, dict(wanted).__getitem__):
-            self._lookup_reads.add(read.seq)  # its blocks are lookup hits of that tier
-            self._read(read)
-
-    def _reads(
-        self,
-        keys: Sequence[bytes],
-        rows: Sequence[int],
-        tier_of: Callable[[bytes], int | None],
-        follows: int = 0,
-        *,
-        given: bool = False,
-    ) -> list[Read]:
-        """One :class:`Read` per tier (in tier order) of ``keys`` into ``rows``."""
-        by_tier: dict[int, list[tuple[bytes, int]]] = {}
-        for k, slot in zip(keys, rows, strict=True):
-            tier = tier_of(k)
-            assert tier is not None  # placed just now, known just before
-            by_tier.setdefault(tier, []).append((k, slot))
-        return [
-            Read(
-                i,
-                tuple(k for k, _s in by_tier[i]),
-                tuple(s for _k, s in by_tier[i]),
-                self._next(),
-                follows=follows,
-                given=given,
-            )
-            for i in sorted(by_tier)
-        ]
-
-    def _read(self, read: Read, since: float | None = None) -> None:
-        """Issue ``read``, or hold it while one of its rows is still being written back.
-
-        ``since``: when its blocks' first read was issued (a read that follows
-        another), else now.
-        """
-        self._read_since.setdefault(read.seq, self._clock() if since is None else since)
-        if not read.given and self._write_back.hold(read):
-            return
-        self._intents.append(read)
-        self._decision.read_started(read.tier, len(read.keys))
-
-    def _settle_read(self, done: ReadDone) -> None:
-        read = done.intent
-        tier = self._lower[read.tier]
-        good = [k for k in read.keys if k in done.loaded]
-        self._decision.read_ended(read.tier, len(read.keys), len(good))
-        bad = [k for k in read.keys if k not in done.loaded]
-        since = self._read_since.pop(read.seq, None)
-        if read.follows:
-            self._follow_ups.pop(read.follows, None)  # its front has asked by now
-        if read.given:
-            self._settle_given_read(read, good, bad, since)
-            return
-        if good:
-            self._cpu.complete_store(good, True)
-            tier.counts.read_blocks += len(good)
-        lookup = read.seq in self._lookup_reads
-        if lookup:  # (a front's own promotions were counted by prefix)
-            self._lookup_reads.discard(read.seq)
-            tier.counts.lookup_hits += len(good)
-        again: set[bytes] = set()
-        if bad:
-            tier.counts.read_failures += len(bad)
-            tier.forget(bad)  # vanished, damaged or unreachable
-            again = self._fall_through(read, bad, since, lookup)
-            lost = [k for k in bad if k not in again]
-            if lost:
-                self._cpu.complete_store(lost, False)
-        self._lookups.ended([k for k in read.keys if k not in again])
-        if good and tier.spec.promote_up and read.tier:
-            self._write_down(good, range(read.tier), store=False)
-
-    def _settle_given_read(
-        self, read: Read, good: list[bytes], bad: list[bytes], since: float | None
-    ) -> None:
-        """A read into a front's slots ended: counted; what it missed falls through."""
-        tier = self._lower[read.tier]
-        tier.counts.read_blocks += len(good)
-        again: set[bytes] = set()
-        if bad:
-            tier.counts.read_failures += len(bad)
-            tier.forget(bad)
-            again = self._fall_through(read, bad, since, False)
-        self._lookups.ended([k for k in read.keys if k not in again])
-
-    def _fall_through(
-        self, read: Read, bad: Sequence[bytes], since: float | None, lookup: bool
-    ) -> set[bytes]:
-        """Read the blocks ``read`` did not deliver from the tiers below its own that
-        hold them, into the same rows (still reserved); the keys read again.
-
-        Only tiers below: each block falls through the chain at most once per
-        tier, so it ends. A block whose wait (its lookup's, else its first
-        read's) is past the deadline is a miss instead: its lookup answers
-        MISS by now, and a stalled tier must not hold its row longer.
-        """
-        now = self._clock()
-        lower, lookups = self._lower, self._lookups
-        failed = set(bad)
-        below_of: dict[bytes, int] = {}
-        keys, rows = [], []
-        for k, slot in zip(read.keys, read.rows, strict=True):
-            if k not in failed:
-                continue
-            began = lookups.began(k)
-            if began is None:
-                began = since
-            if began is not None and now - began >= self._deadline:
-                continue
-            below = next((j for j in range(read.tier + 1, len(lower)) if k in lower[j].known), -1)
-            if below < 0:
-                continue
-            below_of[k] = below
-            keys.append(k)
-            rows.append(slot)
-            lookups.moved(k, below)
-        if not keys:
-            return set()
-        reads = self._reads(keys, rows, below_of.__getitem__, follows=read.seq, given=read.given)
-        for again in reads:
-            if lookup:
-                self._lookup_reads.add(again.seq)
-            self._read(again, since)
-        self._follow_ups[read.seq] = tuple(reads)
-        return set(keys)
+        for read in self._reads.make(plan.keys, plan.slots, dict(wanted).__getitem__):
+            self._reads.issue(read, for_lookup=True)  # its blocks are lookup hits of that tier
 
     # -- writes --------------------------------------------------------------------------
 
@@ -631,7 +514,7 @@ class Chain:
             self._unpin_written(write.keys)
             return
         for read in self._write_back.written(write):
-            self._read(read)  # held again if another of its rows is still written back
+            self._reads.issue(read)  # held again if another of its rows is still written back
 
     def _write_down(self, keys: Sequence[bytes], tiers: Iterable[int], *, store: bool) -> None:
         """Write ready CPU blocks to ``tiers`` that lack them: rows pinned per write."""
