@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-vllm lint typecheck unit soak reliability bench sanitize clean
+.PHONY: demo test test-vllm test-sglang lint typecheck unit soak reliability bench sanitize clean
 
 # Set-up on first use. Without a GPU, torch is pinned to 2.13.0 first: on this
 # project's machines that version is a local CPU wheel, while an unpinned torch
@@ -116,6 +116,41 @@ test-vllm: $(VLLM_STAMP) $(VLLM_NEXT_DIR)/vllm/__init__.py
 	PYTHONPATH=$(VLLM_NEXT_DIR) KVTIER_VLLM_INTERFACE=0.33 $(VLLM_PY) -m pytest \
 		-c tests_vllm/pytest.ini --rootdir=. -q tests_vllm/test_vllm_manager.py \
 		tests_vllm/test_vllm_metrics.py tests_vllm/test_vllm_secondary_tier.py -k 'not vllm_serve'
+
+# kvtier as SGLang HiCache's L3 backend (docs/sglang.md), tested against SGLang's
+# real Python classes on CPU (its pools, its backend factory, its controller), in
+# a venv of its own. SGLang is installed without its dependencies (CUDA kernels,
+# servers), then only what its KV-cache modules import; torch stays at the local
+# 2.13.0 CPU wheel (SGLang declares 2.14.1: nothing the tests touch needs it), so
+# every install is constrained to it. No torchvision (the registry's is CUDA-linked):
+# tests_sglang/shims stands in for it. Two stamps, as for vLLM: SGLang once per
+# version, kvtier again after an edit of pyproject.toml or setup.py.
+SGLANG_VENV    ?= .venv-sglang
+SGLANG_PY      := $(SGLANG_VENV)/bin/python
+SGLANG_VERSION := 0.5.23
+SGLANG_TORCH   := torch==2.13.0
+SGLANG_BASE    := $(SGLANG_VENV)/.sglang-$(SGLANG_VERSION)
+SGLANG_STAMP   := $(SGLANG_VENV)/.installed
+$(SGLANG_BASE):
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install --quiet --upgrade pip
+	$(SGLANG_PY) -m pip install --quiet '$(SGLANG_TORCH)'
+	$(SGLANG_PY) -m pip install --quiet --no-deps 'sglang==$(SGLANG_VERSION)'
+	echo '$(SGLANG_TORCH)' | $(SGLANG_PY) -m pip install --quiet -c /dev/stdin \
+		numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic \
+		pyzmq tqdm IPython aiohttp dill 'transformers==5.19.0'
+	$(SGLANG_PY) -m pip install --quiet --no-deps 'triton==3.9.0' 'apache-tvm-ffi==0.1.11' \
+		sentencepiece compressed-tensors loguru gguf
+	touch $(SGLANG_BASE)
+# kvtier with its own dependencies (xxhash is not among SGLang's) and the cluster
+# client, under the same torch pin.
+$(SGLANG_STAMP): $(SGLANG_BASE) pyproject.toml setup.py
+	echo '$(SGLANG_TORCH)' | $(SGLANG_PY) -m pip install --quiet -c /dev/stdin -e '.[cluster]' \
+		'pytest>=8' 'pytest-asyncio>=0.23' 'pytest-timeout>=2.3'
+	touch $(SGLANG_STAMP)
+
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_PY) -m pytest -c tests_sglang/pytest.ini --rootdir=. -q tests_sglang
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis .reports .vllm-*

@@ -127,6 +127,7 @@ class LowerFront:
         slots: ForeignRows,
         loop: LoopThread,
         tiers: list[Tier],
+        lookup_limit: int | None = None,
     ) -> None:
         """Use :meth:`open`."""
         config = settings.config
@@ -135,14 +136,15 @@ class LowerFront:
         self._tiers = tiers
         self.tier_names = [name for name, _spec in config.chain]
         # The chain's own CPU tier is not used (one row): the engine's CPU tier
-        # is above the chain; a request may look up as many keys as it has slots.
+        # is above the chain; a request may look up as many keys as that tier
+        # holds (its slots, unless the adapter stages through fewer).
         self._chain = chain_for(
             config,
             tiers,
             1,
             lookup_deadline_s=settings.lookup_deadline_s,
             measure_recompute=False,
-            row_limit=slots.rows,
+            row_limit=slots.rows if lookup_limit is None else lookup_limit,
         )
         self._deadline_s = settings.lookup_deadline_s
         self._lock = threading.Lock()
@@ -161,13 +163,20 @@ class LowerFront:
         self._counts = FrontCounts()
         self._own = LowerCounts()
         self._closed = False
+        self._released = False
         with self._lock:
             self._runtime.start()  # what the tiers recovered; peers followed
             self._drain()
 
     @classmethod
     def open(
-        cls, settings: LowerSettings, layout: KVLayout, slots: ForeignRows, *, name: str
+        cls,
+        settings: LowerSettings,
+        layout: KVLayout,
+        slots: ForeignRows,
+        *,
+        name: str,
+        lookup_limit: int | None = None,
     ) -> LowerFront:
         """Open the tiers of ``settings`` for blocks of ``slots`` on a loop thread.
 
@@ -182,6 +191,10 @@ class LowerFront:
             The engine's buffer (released by :meth:`close`).
         name
             The loop thread's name.
+        lookup_limit
+            The most leading keys of one request a lookup serves: the engine's
+            CPU tier's blocks (default: the slots; an adapter that stages
+            through fewer slots than the engine has passes the engine's count).
 
         Raises
         ------
@@ -201,7 +214,7 @@ class LowerFront:
                 slots.row_stride,
                 layout.namespace.hex(),
             )
-            return cls(settings, slots, loop, tiers)
+            return cls(settings, slots, loop, tiers, lookup_limit)
         except BaseException:
             if loop is not None:
                 if tiers:
@@ -331,14 +344,15 @@ class LowerFront:
         """:meth:`close` was called."""
         return self._closed
 
-    def close(self) -> None:
-        """Wait for jobs in flight (30 s at most), close the tiers, release the slots.
+    def close(self) -> bool:
+        """Wait for jobs in flight (30 s at most), close the tiers, release the slots;
+        whether the slots were released (the engine may unmap its buffer then).
 
         Jobs still in flight past the wait keep their slots' views: the
         engine's memory stays mapped until they end (never unmapped under I/O).
         """
         if self._closed:
-            return
+            return self._released
         self._closed = True
         ended = self.drain(_CLOSE_WAIT_S)
         self._runtime.cancel_seeding()
@@ -350,10 +364,12 @@ class LowerFront:
             self._loop.stop()
             if ended:
                 self.slots.release()
+                self._released = True
             else:
                 log.warning(
                     "kvtier: jobs still in flight at close; the engine's buffer stays mapped"
                 )
+        return self._released
 
     # -- inside --------------------------------------------------------------------------
 

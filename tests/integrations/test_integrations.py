@@ -34,7 +34,7 @@ def test_only_the_integration_imports_vllm() -> None:
     # ...and there, the adapter's modules and vLLM's own command line only: the
     # configuration and the model's fingerprint are checked without vLLM.
     users = sorted(p.name for p in INTEGRATIONS.rglob("*.py") if "vllm" in _imports(p))
-    assert users == ["_common.py", "manager.py", "serve.py", "spec.py", "worker.py"]
+    assert users == ["_common.py", "manager.py", "serve.py", "spec.py", "tier.py", "worker.py"]
 
 
 def test_settings_build_kvtiers_config(tmp_path: Path) -> None:
