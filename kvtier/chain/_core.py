@@ -118,6 +118,14 @@ class Chain:
         than MISS: by default the CPU tier's rows (a request's prefix must fit
         them); a front with a CPU tier of its own above the chain passes its
         size (:meth:`read_into`).
+    row_wait_s, hold_s
+        How long a lookup's read may wait for a CPU row to come free before the
+        lookup answers MISS (:class:`~kvtier.chain._lookups.Lookups`); how long
+        a block a lookup's read delivered stays pinned for the request waiting
+        on it, unless that request loads it first
+        (:class:`~kvtier.chain._reads.Reads`). A small CPU tier then never
+        holds a request for rows it cannot get soon, nor evicts a promotion
+        before its request has it.
     clock
         Monotonic seconds (tests pass their own).
 
@@ -141,6 +149,8 @@ class Chain:
         recompute_s_per_block: float | None = None,
         measure_recompute: bool = False,
         row_limit: int | None = None,
+        row_wait_s: float = 0.1,
+        hold_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cpu = cpu = ResidencyManager(rows, policy, tier="cpu", enable_events=enable_events)
@@ -164,6 +174,7 @@ class Chain:
             self._decision,
             self._deadlines,
             probe_ttl_s=probe_ttl_s,
+            row_wait_s=row_wait_s,
             clock=clock,
         )
         self._write_back = WriteBack(cpu, self._lower, self._next)
@@ -182,6 +193,7 @@ class Chain:
             self._intents,
             self._next,
             deadline_s=lookup_deadline_s,
+            hold_s=min(hold_s, lookup_deadline_s),
             clock=clock,
         )
         self._refusals = 0
@@ -201,8 +213,6 @@ class Chain:
         """The CPU tier's residency: rows used, ready, pinned, evictable; evictions."""
         self.take_cpu_events = cpu.take_events
         """The CPU tier's residency events since the last call (``enable_events``)."""
-        self.reset = cpu.reset
-        """Forget every block of the CPU tier (vLLM's ``reset_cache``)."""
         self.lookup = lookups.lookup
         """Where a key can be served from now, key by key (vLLM's): :meth:`Lookups.lookup
         <kvtier.chain._lookups.Lookups.lookup>`."""
@@ -271,9 +281,22 @@ class Chain:
             if write_down:
                 self._write_down(keys, range(len(self._lower)), store=True)
 
+    def reset(self) -> None:
+        """Forget every block of the CPU tier (vLLM's ``reset_cache``); the blocks held
+        for waiting requests go too.
+
+        Raises
+        ------
+        BusyError
+            Blocks are being loaded or stored (nothing is reset).
+        """
+        self._reads.release()
+        self._cpu.reset()
+
     def pin_for_device_load(self, keys: Sequence[bytes]) -> tuple[int, ...]:
         """Pin ready blocks for a copy to the device; their rows."""
         plan = self._cpu.prepare_load(keys)
+        self._reads.loaded(keys)  # pinned by the load now: the holds for it end
         self._cpu_counts.read_blocks += len(keys)
         return plan.slots
 
@@ -430,6 +453,7 @@ class Chain:
     def take_intents(self) -> list[Intent]:
         """What to carry out now: writes, reads into reserved rows, probes."""
         lookups = self._lookups
+        self._reads.expire()
         if not (self._intents or lookups.due):
             return []  # most calls: a store with nothing below, a step with nothing new
         self._start_reads()
@@ -550,10 +574,12 @@ class Chain:
 
     def _room(self) -> int:
         """How many new blocks the CPU tier takes now (free or evictable rows)."""
+        self._reads.expire()  # holds past their time free their rows first
         st = self._cpu.statistics()
         return st.capacity - st.used + st.evictable
 
     def _place(self, keys: list[bytes]) -> StorePlan | None:
+        self._reads.expire()
         n = min(len(keys), self._room())
         while n:
             plan = self._cpu.prepare_store(keys[:n])

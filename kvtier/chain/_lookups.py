@@ -59,6 +59,10 @@ class Lookups:
         The chain's load-or-recompute decision and per-request deadlines.
     probe_ttl_s
         How long a shared tier's "absent" answer stands before a lookup asks again.
+    row_wait_s
+        How long a lookup's read may wait for a CPU row to come free (rows held
+        by device copies and writes free within a few scheduler steps); past
+        it the lookup answers MISS at once, counted with the row limit's.
     clock
         Monotonic seconds (the chain's).
     """
@@ -72,6 +76,7 @@ class Lookups:
         deadlines: Deadlines,
         *,
         probe_ttl_s: float,
+        row_wait_s: float = 0.1,
         clock: Callable[[], float],
     ) -> None:
         self._cpu = cpu
@@ -81,6 +86,10 @@ class Lookups:
         self._deadlines = deadlines
         self._deadline = deadlines.deadline_s
         self._probe_ttl = probe_ttl_s
+        self._row_wait = min(row_wait_s, self._deadline)
+        self._no_row: dict[bytes, float] = {}
+        """Keys whose read found no row in ``row_wait_s``, and when: their next lookup
+        is a MISS (oldest first)."""
         self._clock = clock
         self.count = 0
         """Keys looked up."""
@@ -270,16 +279,19 @@ class Lookups:
         return wanted
 
     def unplaced(self, keys: Sequence[bytes]) -> None:
-        """No row for the reads of ``keys`` now: queued again within their deadline;
-        past it, dropped (nobody may look them up again to drop them)."""
+        """No row for the reads of ``keys`` now: queued again while a row may come
+        free soon (``row_wait_s`` from their lookup); past that, dropped, and their
+        lookups answer MISS at once (the request recomputes them rather than wait
+        for rows that device copies and writes hold)."""
         now = self._clock()
         for k in keys:
             w = self._waiting.get(k)
             if w is not None and w.read:
-                if now - w.since < self._deadline:
+                if now - w.since < self._row_wait:
                     self._to_read[k] = w.tier
                 else:
                     del self._waiting[k]
+                    self._no_row[k] = now
 
     def issued(self, keys: Sequence[bytes]) -> None:
         """The reads of ``keys`` went to the driver."""
@@ -332,6 +344,15 @@ class Lookups:
 
     # -- inside --------------------------------------------------------------------------
 
+    def _had_no_row(self, key: bytes) -> bool:
+        """Whether ``key``'s read found no row in time (its next lookup, and only that
+        one, is a MISS: the request recomputes it; a later pass tries again);
+        forgets marks older than the deadline (nobody looked the key up again)."""
+        no_row, now = self._no_row, self._clock()
+        while no_row and now - next(iter(no_row.values())) >= self._deadline:
+            del no_row[next(iter(no_row))]
+        return no_row.pop(key, None) is not None
+
     def _lookup(self, key: bytes) -> Answer:
         self.count += 1
         cpu = self._cpu
@@ -339,6 +360,9 @@ class Lookups:
             self._counts.lookup_hits += 1
             self._waiting.pop(key, None)
             return Answer.HIT
+        if self._no_row and self._had_no_row(key):
+            self._deadlines.row_limited += 1
+            return Answer.MISS
         waiting = self._waiting.get(key)
         if waiting is not None:
             if self._clock() - waiting.since < self._deadline:

@@ -40,6 +40,10 @@ class Reads:
         The chain's intent numbering.
     deadline_s, clock
         ``lookup_deadline_s`` and the chain's clock.
+    hold_s
+        How long a block a lookup's read delivered stays pinned for the request
+        that waits on it (until it loads it): other requests' stores and reads
+        evict what no waiting request needs first.
     """
 
     def __init__(
@@ -53,6 +57,7 @@ class Reads:
         next_seq: Callable[[], int],
         *,
         deadline_s: float,
+        hold_s: float,
         clock: Callable[[], float],
     ) -> None:
         self._cpu = cpu
@@ -72,6 +77,10 @@ class Reads:
         (:meth:`follow_ups`), until one of those settles."""
         self._for_lookups: set[int] = set()
         """Reads that lookups started (vLLM's): a block they deliver is a lookup hit."""
+        self._held: dict[bytes, float] = {}
+        """Blocks a lookup's read delivered, pinned until their request loads them
+        (:meth:`loaded`) or ``hold_s`` passes (:meth:`expire`): oldest first."""
+        self._hold_s = hold_s
 
     def make(
         self,
@@ -114,6 +123,33 @@ class Reads:
         self._intents.append(read)
         self._decision.read_started(read.tier, len(read.keys))
 
+    def loaded(self, keys: Sequence[bytes]) -> None:
+        """``keys`` are pinned for their copy to the device: their holds end."""
+        held = self._held
+        if held:
+            done = [k for k in keys if held.pop(k, None) is not None]
+            if done:
+                self._cpu.complete_load(done)
+
+    def expire(self) -> None:
+        """End the holds older than ``hold_s`` (their request was not scheduled)."""
+        held, now = self._held, self._clock()
+        done = []
+        while held:
+            k, since = next(iter(held.items()))
+            if now - since < self._hold_s:
+                break
+            del held[k]
+            done.append(k)
+        if done:
+            self._cpu.complete_load(done)
+
+    def release(self) -> None:
+        """End every hold (before a reset of the CPU tier)."""
+        held, self._held = self._held, {}
+        if held:
+            self._cpu.complete_load(list(held))
+
     def follow_ups(self, read: Read) -> tuple[Read, ...]:
         """The reads carrying on ``read``'s undelivered blocks (see
         :meth:`Chain.follow_ups <kvtier.chain.Chain.follow_ups>`)."""
@@ -136,6 +172,13 @@ class Reads:
         tier.counts.read_blocks += len(good)
         if good and cpu:
             self._cpu.complete_store(good, True)
+            if lookup and self._hold_s > 0:
+                self._cpu.prepare_load(good)  # held for the request that waits on them
+                now = self._clock()
+                for k in good:
+                    if k in self._held:  # held already: one pin per block
+                        self._cpu.complete_load((k,))
+                    self._held[k] = now
         if lookup:  # (a front's own promotions were counted by prefix)
             tier.counts.lookup_hits += len(good)
         again: set[bytes] = set()

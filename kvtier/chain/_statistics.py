@@ -68,7 +68,8 @@ class ChainStatistics:
     (the key's own, or its request's: see :meth:`~kvtier.chain.Chain.lookup`)."""
     lookup_row_limit_misses: int
     """Lookups answered MISS because the request's prefix before them already
-    needed every CPU row (the rest of it is recomputed)."""
+    needed every CPU row, or no row came free for their read within
+    ``row_wait_s`` (the rest of it is recomputed)."""
     loads_declined: int
     """Lookups answered MISS because loading the block would have been slower
     than recomputing it (per tier: :attr:`TierCounts.loads_declined`)."""

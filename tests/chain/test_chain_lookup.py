@@ -161,3 +161,128 @@ def test_a_request_answered_waits_afresh_when_it_comes_back() -> None:
     assert vllm_pass(chain, "r1", prefix) is None  # a new wait, not past the old deadline
     carry_out(chain)
     assert vllm_pass(chain, "r1", prefix) == 2
+
+
+# -- a CPU tier smaller than the working set (issue 51) ----------------------------------
+
+ROW_WAIT_S = 0.1
+HOLD_S = 0.5
+
+
+def small_chain(rows: int, clock: Clock) -> Chain:
+    return Chain(
+        rows,
+        [LowerTier("file")],
+        lookup_deadline_s=DEADLINE_S,
+        row_wait_s=ROW_WAIT_S,
+        hold_s=HOLD_S,
+        clock=clock,
+    )
+
+
+def test_a_lookup_never_waits_for_a_row_it_cannot_get_soon() -> None:
+    clock = Clock(100.0)
+    chain = small_chain(4, clock)
+    busy = [key(n) for n in range(100, 104)]
+    plan = chain.place(busy)
+    assert plan is not None
+    chain.stored(plan.keys, True)
+    carry_out(chain)
+    chain.pin_for_device_load(busy)  # every row held by device copies that go on
+    prefix = [key(n) for n in range(2)]
+    chain.settle(TierChanged(0, added=tuple(prefix)))
+    steps = 0
+    while (hits := vllm_pass(chain, "r1", prefix)) is None:
+        carry_out(chain)
+        clock.now += STEP_S
+        steps += 1
+        assert steps * STEP_S <= ROW_WAIT_S + 2 * STEP_S, "waited for a row past row_wait_s"
+    assert hits == 0  # recomputed at once, not after lookup_deadline_s
+    stats = chain.statistics()
+    assert stats.lookup_deadline_misses == 0
+    assert stats.lookup_row_limit_misses >= 1
+    # Once the rows are free again, the next request's lookups read the blocks.
+    chain.unpin_device_load(busy)
+    while (hits := vllm_pass(chain, "r2", prefix)) is None:
+        carry_out(chain)
+        clock.now += STEP_S
+    assert hits == 2
+
+
+def test_a_promotion_is_held_for_its_request_until_it_loads_it() -> None:
+    clock = Clock(100.0)
+    chain = small_chain(4, clock)
+    prefix = [key(n) for n in range(2)]
+    chain.settle(TierChanged(0, added=tuple(prefix)))
+    assert vllm_pass(chain, "r1", prefix) is None
+    carry_out(chain)  # the reads deliver: the blocks wait for r1
+    assert all(chain.pins(k) == 1 for k in prefix)
+    # Another request's store needs every row before r1 is scheduled: the held
+    # blocks are not evicted for it (it gets the two free rows).
+    plan = chain.place([key(n) for n in range(100, 104)])
+    assert plan is not None
+    assert len(plan.keys) == 2
+    assert not set(plan.evicted) & set(prefix)
+    chain.stored(plan.keys, True)
+    carry_out(chain)
+    assert vllm_pass(chain, "r1", prefix) == 2
+    serve(chain, "r1", prefix, 2)  # loaded: the holds end with the device copy's pin
+    assert all(chain.pins(k) == 0 for k in prefix)
+    plan = chain.place([key(n) for n in range(200, 204)])
+    assert plan is not None
+    assert set(prefix) <= set(plan.evicted)  # evictable like any block now
+
+
+def test_a_hold_ends_when_its_request_does_not_come_back() -> None:
+    clock = Clock(100.0)
+    chain = small_chain(2, clock)
+    prefix = [key(n) for n in range(2)]
+    chain.settle(TierChanged(0, added=tuple(prefix)))
+    assert vllm_pass(chain, "r1", prefix) is None
+    carry_out(chain)
+    assert chain.place([key(100)]) is None  # both rows held for r1
+    clock.now += HOLD_S
+    plan = chain.place([key(100)])  # r1 was never scheduled: its rows free
+    assert plan is not None
+    assert plan.evicted
+
+
+def test_many_users_on_a_small_cpu_tier_are_answered_without_waiting_out_the_deadline() -> None:
+    # Twelve users with prefixes in the file tier over a CPU tier of eight rows:
+    # every request stores two new blocks (rows held while written through);
+    # device copies and writes take a step. No request waits for rows past
+    # row_wait_s plus its reads' steps, no lookup waits out the deadline, and
+    # the tiers still serve blocks.
+    rng = random.Random(3)
+    clock = Clock(100.0)
+    chain = small_chain(8, clock)
+    prefixes = {f"u{i}": [key(1000 * i + n) for n in range(4)] for i in range(12)}
+    for p in prefixes.values():
+        chain.settle(TierChanged(0, added=tuple(p)))
+    since: dict[str, int] = {}
+    loads: list[tuple[int, list[bytes]]] = []
+    served = 0
+    for step in range(200):
+        for user in rng.sample(list(prefixes), len(prefixes)):
+            request = f"{user}-{since.setdefault(user, step)}"
+            hits = vllm_pass(chain, request, prefixes[user])
+            if hits is None:
+                assert (step - since[user]) * STEP_S <= ROW_WAIT_S + 4 * STEP_S, user
+                continue
+            del since[user]
+            if hits:
+                chain.pin_for_device_load(prefixes[user][:hits])
+                loads.append((step + 1, prefixes[user][:hits]))
+                served += hits
+            new = [key(10**6 + step * 100 + int(user[1:]) * 2 + j) for j in range(2)]
+            plan = chain.place(new, keep=prefixes[user][:hits])
+            if plan is not None:
+                chain.stored(plan.keys, True)
+            chain.forget_request(request)
+        for _end, ks in [x for x in loads if x[0] <= step]:
+            chain.unpin_device_load(ks)
+        loads = [x for x in loads if x[0] > step]
+        carry_out(chain)
+        clock.now += STEP_S
+    assert chain.statistics().lookup_deadline_misses == 0
+    assert served > 0

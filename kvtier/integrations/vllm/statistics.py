@@ -25,7 +25,8 @@ class VLLMCounts:
     request's wait, outlasted ``lookup_deadline_s`` (the chain counts them)."""
     lookup_row_limit_misses: int = 0
     """Lookups answered as misses because the request's prefix before them
-    already needed every CPU row (the chain counts them)."""
+    already needed every CPU row, or because no CPU row came free for their
+    read within 0.1 s (the chain counts them)."""
     events_published: int = 0
     """Keys announced in KV cache events."""
     events_dropped: int = 0
@@ -41,7 +42,7 @@ VLLM_FIGURES: dict[str, Figure] = {
     "lookup_row_limit_misses": Figure(
         "counter",
         "Lookups answered as misses because the request's prefix before them already needed "
-        "every CPU row (loaded in part, the rest recomputed).",
+        "every CPU row, or no row came free for their read in time (the rest recomputed).",
     ),
     "events_published": Figure("counter", "Keys announced in KV cache events."),
     "events_dropped": Figure(
