@@ -38,6 +38,9 @@ every one; the same thread binding for all):
 ``kvtier-cpu+file`` the same CPU tier, and the file tier behind it.
 ``kvtier-small+file`` a CPU tier of half the largest working set (at least
                     twice the rows a step stores), the file tier behind it.
+``kvtier-sixth+file`` a CPU tier of a sixth of it (at least twice the rows a
+                    step stores), the file tier behind it: most returning
+                    histories come from the file tier, through few rows.
 ``minimal``         ``_minimal_spec``: vLLM's ``OffloadingConnector`` over a
                     dict of tensors, a perfect tier (no capacity, no I/O).
 ``vllm+ram``        vLLM alone with kvtier's CPU-tier bytes added to its KV cache.
@@ -137,6 +140,7 @@ CONFIGS = (
     "kvtier-cpu",
     "kvtier-cpu+file",
     "kvtier-small+file",
+    "kvtier-sixth+file",
     "minimal",
     "vllm+ram",
     "kvtier-small+file+decline",
@@ -147,6 +151,7 @@ KVTIER_CONFIGS = (
     "kvtier-cpu",
     "kvtier-cpu+file",
     "kvtier-small+file",
+    "kvtier-sixth+file",
     "kvtier-small+file+decline",
     "kvtier-slow",
     "kvtier-slow+decline",
@@ -312,6 +317,7 @@ class Sizes:
     engine_blocks: int
     cpu_blocks: int
     small_cpu_blocks: int
+    sixth_cpu_blocks: int
     file_bytes: int
     working_set_blocks: int
 
@@ -328,6 +334,7 @@ class Sizes:
             engine_blocks=engine_blocks or 2 * longest,
             cpu_blocks=cpu,
             small_cpu_blocks=max(2 * rows_per_step, ws // 2),
+            sixth_cpu_blocks=max(2 * rows_per_step, ws // 6),
             file_bytes=max(64 * MIB, 2 * cpu * block),
             working_set_blocks=ws,
         )
@@ -376,6 +383,8 @@ def server_args(name: str, sizes: Sizes, root: Path) -> tuple[int, dict[str, Any
         return sizes.engine_blocks, _kvtier(sizes.cpu_blocks, sizes, root, file=True)
     if name == "kvtier-small+file":
         return sizes.engine_blocks, _kvtier(sizes.small_cpu_blocks, sizes, root, file=True)
+    if name == "kvtier-sixth+file":
+        return sizes.engine_blocks, _kvtier(sizes.sixth_cpu_blocks, sizes, root, file=True)
     if name == "kvtier-slow":
         extra = _kvtier(sizes.small_cpu_blocks, sizes, root, file=True, stats=True)
         return sizes.engine_blocks, extra
@@ -742,6 +751,9 @@ class Phase:
     """Other vLLM processes seen while it ran (looked for every 2 s)."""
     decision: dict[str, float | None] = field(default_factory=dict)
     """kvtier's measured recompute and file-read seconds per block at the phase's end."""
+    cannot_store: int = 0
+    """vLLM's "cannot store chunks" warnings in the server's log during the phase
+    (its CPU-tier connector found no room for a request's blocks)."""
 
 
 _COUNTERS = (
@@ -776,6 +788,7 @@ def run_phase(server: Server, wl: Workload, rep: int, tmp: Path, wait_s: float |
         )
     )
     before = scrape(server.base)
+    log_from = server.log_path.stat().st_size if server.log_path.exists() else 0
     cpu = CpuSampler(server.engine_pids())
     client = subprocess.Popen([sys.executable, __file__, "--client", str(spec)])
     others: dict[int, str] = {}
@@ -809,7 +822,17 @@ def run_phase(server: Server, wl: Workload, rep: int, tmp: Path, wait_s: float |
         kvtier_threads=named,
         disturbed=disturbed,
         decision=server.decision(),
+        cannot_store=_log_count(server.log_path, log_from, "cannot store chunks"),
     )
+
+
+def _log_count(path: Path, start: int, text: str) -> int:
+    """Lines containing ``text`` in ``path`` from byte ``start`` on."""
+    if not path.exists():
+        return 0
+    with open(path, "rb") as f:
+        f.seek(start)
+        return f.read().decode(errors="replace").count(text)
 
 
 def workloads(args: argparse.Namespace, rep: int) -> list[Workload]:
@@ -918,6 +941,8 @@ class Row:
     disturbed: int
     declined: float = 0.0
     deadline_misses: float = 0.0
+    row_misses: float = 0.0
+    cannot_store: float = 0.0
     decision: dict[str, float | None] = field(default_factory=dict)
     """The last repeat's :attr:`Phase.decision`."""
 
@@ -976,6 +1001,8 @@ def summarize(phases: Sequence[Phase], configs: Sequence[str]) -> list[Row]:
                     disturbed=sum(1 for p in ps if p.disturbed),
                     declined=m.get("kvtier_loads_declined_total{file}", 0.0),
                     deadline_misses=m.get("kvtier_lookup_deadline_misses_total", 0.0),
+                    row_misses=m.get("kvtier_lookup_row_limit_misses_total", 0.0),
+                    cannot_store=sum(p.cannot_store for p in ps) / n,
                     decision=ps[-1].decision,
                 )
             )
@@ -990,10 +1017,11 @@ def table(rows: Sequence[Row]) -> str:
     head = (
         "| configuration | users | req/s | prompt tok/s | gen tok/s | TTFT p50 / p90 / p99 ms "
         "| ITL p50 / p99 ms | tokens from vLLM cache | via connector | kvtier: from CPU rows "
-        "(of which file) | loads declined (deadline misses) | kvtier CPU s (s/GB) "
+        "(of which file) | loads declined (deadline misses) | row misses / cannot store "
+        "| kvtier CPU s (s/GB) "
         "| kvtier / engine CPU | outputs = no-offload |"
     )
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         kv = r.config in KVTIER_CONFIGS
         per_gb = r.kvtier_cpu_s / r.kvtier_gb if r.kvtier_gb else float("nan")
@@ -1007,10 +1035,11 @@ def table(rows: Sequence[Row]) -> str:
             + (
                 f"| {r.kvtier_cpu_tokens:,.0f} ({r.kvtier_file_tokens:,.0f}) "
                 f"| {r.declined:,.0f} ({r.deadline_misses:,.0f}) "
+                f"| {r.row_misses:,.0f} / {r.cannot_store:,.0f} "
                 f"| {r.kvtier_cpu_s:.2f} ({per_gb:.2f}) "
                 f"| {100 * r.kvtier_cpu_s / r.engine_cpu_s:.1f}% "
                 if kv and r.engine_cpu_s
-                else "| - | - | - | - "
+                else "| - | - | - | - | - "
             )
             + (f"| {r.equal}/{r.compared} |" if r.config != "no-offload" else "| (reference) |")
         )
@@ -1133,7 +1162,8 @@ def describe(args: argparse.Namespace, sizes: Sizes, kv_token: int) -> str:
     lines.append(
         f"kvtier CPU tier {sizes.cpu_blocks} blocks "
         f"({sizes.cpu_blocks * sizes.block_bytes / MIB:,.0f} MiB), "
-        f"small CPU tier {sizes.small_cpu_blocks} blocks, file tier "
+        f"small CPU tier {sizes.small_cpu_blocks} blocks, a sixth {sizes.sixth_cpu_blocks}, "
+        "file tier "
         f"{sizes.file_bytes / MIB:,.0f} MiB; vllm+ram: {eng + sizes.cpu_blocks} blocks; "
         f"VLLM_CPU_KVCACHE_SPACE=1 (GiB; vllm+ram: as many GiB as it needs), "
         f"--num-gpu-blocks-override caps the cache; VLLM_CPU_OMP_THREADS_BIND={args.bind!r}"
