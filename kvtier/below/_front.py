@@ -86,6 +86,9 @@ class JobDone:
     """The job's other keys."""
     seconds: float
     """From the job's submission to its end."""
+    moved: int = 0
+    """Blocks whose bytes moved: loaded, or written to a tier that lacked them
+    (a store of blocks every tier held already moves none)."""
 
     @property
     def ok(self) -> bool:
@@ -113,6 +116,7 @@ class _Job:
     started: float
     pending: set[int] = field(default_factory=set)
     done: set[bytes] = field(default_factory=set)
+    moved: set[bytes] = field(default_factory=set)
 
 
 class LowerFront:
@@ -428,8 +432,10 @@ class LowerFront:
         record.pending.discard(seq)
         if isinstance(outcome, Written):
             record.done.update(outcome.stored)
+            record.moved.update(outcome.stored)
         else:
             record.done.update(outcome.loaded)
+            record.moved.update(outcome.loaded)
             for again in self._chain.follow_ups(outcome.intent):
                 record.pending.add(again.seq)
                 self._by_seq[again.seq] = job_id
@@ -444,7 +450,12 @@ class LowerFront:
             self._own.jobs_failed += 1
             self._own.blocks_failed += len(failed)
         self._ended[record.job] = JobDone(
-            record.job, record.load, done, failed, time.monotonic() - record.started
+            record.job,
+            record.load,
+            done,
+            failed,
+            time.monotonic() - record.started,
+            len(record.moved),
         )
 
     def _until(self, check: Callable[[], _T | bool], timeout: float | None) -> _T | bool:

@@ -240,3 +240,26 @@ def test_foreign_rows_check_alignment_and_release() -> None:
     view.release()
     mem.close()  # no view of ours is left: the engine may unmap
     assert os.sysconf("SC_PAGE_SIZE") > 0
+
+
+def test_a_store_of_blocks_held_already_moves_nothing(tmp_path: Path) -> None:
+    engine = Engine()
+    front = _open(tmp_path, engine)
+    try:
+        engine.fill(0, 1)
+        engine.fill(1, 2)
+        front.store(1, [_key(0), _key(1)], [0, 1])
+        first = front.wait(1, timeout=30)
+        assert first is not None
+        assert first.moved == 2
+        front.store(2, [_key(0), _key(1)], [0, 1])  # the engine offers them again
+        again = front.wait(2, timeout=30)
+        assert again is not None
+        assert again.ok
+        assert again.moved == 0  # vLLM's backpressure sees no bytes that were not written
+        front.load(3, [_key(1)], [5])
+        loaded = front.wait(3, timeout=30)
+        assert loaded is not None
+        assert loaded.moved == 1
+    finally:
+        front.close()

@@ -274,6 +274,9 @@ class KVTierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
     def _submit(self, job: TransferJob, *, load: bool) -> None:
         names = list(job.keys)
         keys = [self._key(k) for k in names]
+        if job.job_id in self._names:  # vLLM numbers its jobs once: never seen
+            self._failed("submit", ValueError(f"job {job.job_id} is in flight already"))
+            return
         self._names[job.job_id] = (names, keys)
         try:
             self._reporter.began((load, job.job_id))
@@ -297,7 +300,7 @@ class KVTierSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             success=done.ok,
             successful_keys=successful,
             transfer_time=done.seconds,
-            transfer_bytes=len(done.done) * self.block_size_bytes,
+            transfer_bytes=done.moved * self.block_size_bytes,
         )
 
     def _failed(self, what: str, exc: BaseException) -> None:
