@@ -122,8 +122,8 @@ class Chain:
         How long a lookup's read may wait for a CPU row to come free before the
         lookup answers MISS (:class:`~kvtier.chain._lookups.Lookups`); how long
         a block a lookup's read delivered stays pinned for the request waiting
-        on it, unless that request loads it first
-        (:class:`~kvtier.chain._reads.Reads`). A small CPU tier then never
+        on it, unless that request loads it first (at most
+        ``lookup_deadline_s``: :class:`~kvtier.chain._reads.Reads`). A small CPU tier then never
         holds a request for rows it cannot get soon, nor evicts a promotion
         before its request has it.
     clock
@@ -150,7 +150,7 @@ class Chain:
         measure_recompute: bool = False,
         row_limit: int | None = None,
         row_wait_s: float = 0.1,
-        hold_s: float = 0.5,
+        hold_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cpu = cpu = ResidencyManager(rows, policy, tier="cpu", enable_events=enable_events)
