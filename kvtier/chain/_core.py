@@ -579,7 +579,6 @@ class Chain:
         return st.capacity - st.used + st.evictable
 
     def _place(self, keys: list[bytes]) -> StorePlan | None:
-        self._reads.expire()
         n = min(len(keys), self._room())
         while n:
             plan = self._cpu.prepare_store(keys[:n])
