@@ -118,14 +118,17 @@ class Chain:
         than MISS: by default the CPU tier's rows (a request's prefix must fit
         them); a front with a CPU tier of its own above the chain passes its
         size (:meth:`read_into`).
-    row_wait_s, hold_s
+    row_wait_s, hold_s, keep_s
         How long a lookup's read may wait for a CPU row to come free before the
         lookup answers MISS (:class:`~kvtier.chain._lookups.Lookups`); how long
         a block a lookup's read delivered stays pinned for the request waiting
         on it, unless that request loads it first (at most
-        ``lookup_deadline_s``: :class:`~kvtier.chain._reads.Reads`). A small CPU tier then never
-        holds a request for rows it cannot get soon, nor evicts a promotion
-        before its request has it.
+        ``lookup_deadline_s``); how long it is kept for that request after
+        that while placements find rows elsewhere: it is the last a placement
+        takes (:class:`~kvtier.chain._reads.Reads`). A small CPU tier then
+        never holds a request for rows it cannot get soon, nor evicts a
+        promotion before its request has it, and a request the engine revisits
+        seconds later still finds it.
     clock
         Monotonic seconds (tests pass their own).
 
@@ -151,6 +154,7 @@ class Chain:
         row_limit: int | None = None,
         row_wait_s: float = 0.1,
         hold_s: float = 2.0,
+        keep_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cpu = cpu = ResidencyManager(rows, policy, tier="cpu", enable_events=enable_events)
@@ -194,6 +198,7 @@ class Chain:
             self._next,
             deadline_s=lookup_deadline_s,
             hold_s=min(hold_s, lookup_deadline_s),
+            keep_s=keep_s,
             clock=clock,
         )
         self._refusals = 0
@@ -277,6 +282,7 @@ class Chain:
             self._decision.computed(keys, ok)
         self._cpu.complete_store(keys, ok)
         if ok:
+            self._lookups.delivered(keys)  # a request's PENDING wait on them ended
             self._cpu_counts.written_blocks += len(keys)
             if write_down:
                 self._write_down(keys, range(len(self._lower)), store=True)
@@ -318,7 +324,7 @@ class Chain:
         """
         lower_of = self.lower_of
         todo = [k for k in keys if k not in self._cpu and lower_of(k) is not None]
-        room = self._room() if todo else 0
+        room = self._room(len(todo)) if todo else 0
         if not room:
             return []
         if len(todo) > room:
@@ -572,14 +578,20 @@ class Chain:
 
     # -- rows ----------------------------------------------------------------------------
 
-    def _room(self) -> int:
-        """How many new blocks the CPU tier takes now (free or evictable rows)."""
-        self._reads.expire()  # holds past their time free their rows first
+    def _room(self, need: int = 0) -> int:
+        """How many new blocks the CPU tier takes now (free or evictable rows); short
+        of ``need``, kept blocks past their firm hold give up their rows."""
+        reads = self._reads
+        reads.expire()  # holds past keep_s free their rows first
         st = self._cpu.statistics()
-        return st.capacity - st.used + st.evictable
+        room = st.capacity - st.used + st.evictable
+        if room < need and reads.yield_holds(need - room):
+            st = self._cpu.statistics()
+            room = st.capacity - st.used + st.evictable
+        return room
 
     def _place(self, keys: list[bytes]) -> StorePlan | None:
-        n = min(len(keys), self._room())
+        n = min(len(keys), self._room(len(keys)))
         while n:
             plan = self._cpu.prepare_store(keys[:n])
             if plan is not None:

@@ -9,7 +9,12 @@ two rules per request, not per key:
   may wait ``lookup_deadline_s``; past it every answer but HIT is MISS, so it
   loads what is in CPU rows and recomputes the rest. (Per key, a wait would
   start afresh each time a promoted block was evicted before the request came
-  back.)
+  back.) What it waits on is kvtier's, not the engine's: when everything its
+  last pass waited on was delivered (read into CPU rows, or stored from the
+  device) before its next pass, the time between the passes was the engine's
+  (vLLM revisits a deferred request seconds apart under load), and its wait
+  starts afresh, once per request, so that a request whose delivered blocks
+  keep being evicted before it comes back still ends its wait.
 * **Its prefix fits the CPU tier.** Only as many leading keys as the CPU tier
   has rows can be loaded at once (every load is staged through a row): a key
   past that is MISS, counted in ``row_limit_misses``.
@@ -23,7 +28,7 @@ on a read or a probe, which the chain checks) are counted here, and logged once.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 __all__ = ["Deadlines"]
@@ -45,6 +50,12 @@ class _Request:
     """When it last looked a key up."""
     from_lower: dict[int, int] = field(default_factory=dict)
     """Blocks of its current pass to be read from each lower tier (the load decision's)."""
+    begun: float = 0.0
+    """When its current pass began."""
+    waited: list[bytes] = field(default_factory=list)
+    """Keys of its current pass that answered RETRY or PENDING."""
+    renewed: bool = False
+    """Its wait has started afresh once already (see the module docstring)."""
 
 
 class Deadlines:
@@ -67,11 +78,16 @@ class Deadlines:
         self.row_limited = 0
         """Lookups answered MISS because the request's prefix before them needed every row."""
         self._rows = rows
+        self._remember = max(1024, 4 * rows)
         self._clock = clock
         self._requests: dict[object, _Request] = {}
         """Requests looking up, least recently active first."""
         self._forget_after = max(60.0, 10 * deadline_s)
         self._logged = False
+        self._awaited: set[bytes] = set()
+        """Keys some request's pass waits on, not yet delivered."""
+        self._delivered: dict[bytes, float] = {}
+        """When awaited keys were delivered, oldest first (bounded)."""
 
     def __len__(self) -> int:
         """Requests remembered now."""
@@ -93,18 +109,25 @@ class Deadlines:
         if key in seen:  # a new pass over its prefix
             if not req.deferred:
                 req.since = None  # the last pass was answered: a new wait
+            elif not req.renewed and self._all_delivered(req):
+                req.since = None  # the engine's gap between passes, not kvtier's wait
+                req.renewed = True
             seen.clear()
             req.from_lower.clear()
+            req.waited.clear()
             req.deferred = False
+            req.begun = now
+        elif not seen:
+            req.begun = now
         seen[key] = None
         if len(seen) > self._rows:
             self.row_limited += 1
             return None
         return req
 
-    def wait(self, req: _Request) -> bool:
-        """The lookup just entered for ``req`` answers RETRY or PENDING: whether it may
-        (False past the request's deadline: a MISS, counted)."""
+    def wait(self, req: _Request, key: bytes) -> bool:
+        """The lookup of ``key`` just entered for ``req`` answers RETRY or PENDING:
+        whether it may (False past the request's deadline: a MISS, counted)."""
         now = req.last  # when the lookup entered
         if req.since is None:
             req.since = now
@@ -112,7 +135,32 @@ class Deadlines:
             self.miss_late("its request's wait")
             return False
         req.deferred = True
+        req.waited.append(key)
+        if len(self._awaited) >= self._remember:
+            self._awaited.clear()  # reads that never settled: forget them, not the rule
+        self._awaited.add(key)
         return True
+
+    def delivered(self, keys: Iterable[bytes]) -> None:
+        """``keys`` arrived in CPU rows (a read, or a store from the device)."""
+        awaited = self._awaited
+        if not awaited:
+            return
+        got = awaited.intersection(keys)
+        if not got:
+            return
+        awaited.difference_update(got)
+        now, delivered = self._clock(), self._delivered
+        for k in got:
+            delivered.pop(k, None)
+            delivered[k] = now
+        while len(delivered) > self._remember:
+            del delivered[next(iter(delivered))]
+
+    def _all_delivered(self, req: _Request) -> bool:
+        """Everything ``req``'s last pass waited on arrived after that pass began."""
+        delivered, begun = self._delivered, req.begun
+        return bool(req.waited) and all(delivered.get(k, -1.0) >= begun for k in req.waited)
 
     def miss_late(self, what: str) -> None:
         """A lookup answered MISS because its wait on ``what`` outlasted the deadline."""
@@ -130,6 +178,8 @@ class Deadlines:
     def forget(self, request: object) -> None:
         """``request`` looks nothing up any more (it finished)."""
         self._requests.pop(request, None)
+        if not self._requests:
+            self._awaited.clear()  # nobody waits: what a lost read left here goes
 
     def _sweep(self, now: float) -> None:
         requests = self._requests
@@ -138,3 +188,4 @@ class Deadlines:
             if now - requests[oldest].last < self._forget_after:
                 return
             del requests[oldest]
+        self._awaited.clear()

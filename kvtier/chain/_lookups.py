@@ -150,7 +150,7 @@ class Lookups:
         answer = self._lookup(key)
         if answer is Answer.HIT:
             self._cpu.touch((key,))
-        elif answer is not Answer.MISS and not self._deadlines.wait(req):
+        elif answer is not Answer.MISS and not self._deadlines.wait(req, key):
             return Answer.MISS
         return answer
 
@@ -182,7 +182,7 @@ class Lookups:
             else:
                 self._deadlines.miss_late("a shared tier")
                 answer = Answer.MISS
-            if answer is Answer.RETRY and req is not None and not self._deadlines.wait(req):
+            if answer is Answer.RETRY and req is not None and not self._deadlines.wait(req, key):
                 return Answer.MISS
             return answer
         self.count += 1
@@ -201,6 +201,11 @@ class Lookups:
     def forget_request(self, request: object) -> None:
         """``request`` looks nothing up any more (it finished)."""
         self._deadlines.forget(request)
+
+    def delivered(self, keys: Sequence[bytes]) -> None:
+        """``keys`` arrived in CPU rows: a request whose last pass waited on them
+        did not wait on kvtier since (:class:`~kvtier.chain._deadlines.Deadlines`)."""
+        self._deadlines.delivered(keys)
 
     def is_waiting(self, key: bytes) -> bool:
         """Whether a lookup of ``key`` waits on a read or a probe."""

@@ -40,10 +40,13 @@ class Reads:
         The chain's intent numbering.
     deadline_s, clock
         ``lookup_deadline_s`` and the chain's clock.
-    hold_s
+    hold_s, keep_s
         How long a block a lookup's read delivered stays pinned for the request
-        that waits on it (until it loads it): other requests' stores and reads
-        evict what no waiting request needs first.
+        that waits on it (until it loads it), whatever else needs its row; and
+        how long it is kept for that request after that, while a placement can
+        still find a row elsewhere (:meth:`yield_holds`). Other requests' stores
+        and reads evict what no waiting request needs first, and a request that
+        the engine revisits seconds later still finds its blocks.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class Reads:
         *,
         deadline_s: float,
         hold_s: float,
+        keep_s: float,
         clock: Callable[[], float],
     ) -> None:
         self._cpu = cpu
@@ -79,8 +83,10 @@ class Reads:
         """Reads that lookups started (vLLM's): a block they deliver is a lookup hit."""
         self._held: dict[bytes, float] = {}
         """Blocks a lookup's read delivered, pinned until their request loads them
-        (:meth:`loaded`) or ``hold_s`` passes (:meth:`expire`): oldest first."""
+        (:meth:`loaded`), ``keep_s`` passes (:meth:`expire`) or, past ``hold_s``,
+        a placement needs their row (:meth:`yield_holds`): oldest first."""
         self._hold_s = hold_s
+        self._keep_s = max(keep_s, hold_s)
 
     def make(
         self,
@@ -132,17 +138,26 @@ class Reads:
                 self._cpu.complete_load(done)
 
     def expire(self) -> None:
-        """End the holds older than ``hold_s`` (their request was not scheduled)."""
+        """End the holds older than ``keep_s`` (their request never came back)."""
+        self._end(self._keep_s, len(self._held))
+
+    def yield_holds(self, n: int) -> int:
+        """End up to ``n`` of the oldest holds older than ``hold_s``, for a placement
+        that finds no other row; how many ended."""
+        return self._end(self._hold_s, n)
+
+    def _end(self, older_than: float, n: int) -> int:
         held, now = self._held, self._clock()
-        done = []
-        while held:
+        done: list[bytes] = []
+        while held and len(done) < n:
             k, since = next(iter(held.items()))
-            if now - since < self._hold_s:
+            if now - since < older_than:
                 break
             del held[k]
             done.append(k)
         if done:
             self._cpu.complete_load(done)
+        return len(done)
 
     def release(self) -> None:
         """End every hold (before a reset of the CPU tier)."""
@@ -172,6 +187,7 @@ class Reads:
         tier.counts.read_blocks += len(good)
         if good and cpu:
             self._cpu.complete_store(good, True)
+            self._lookups.delivered(good)
             if lookup and self._hold_s > 0:
                 self._cpu.prepare_load(good)  # held for the request that waits on them
                 now = self._clock()

@@ -247,6 +247,60 @@ def test_a_hold_ends_when_its_request_does_not_come_back() -> None:
     assert plan.evicted
 
 
+def test_a_request_the_engine_revisits_seconds_later_still_finds_its_blocks() -> None:
+    # vLLM revisits a deferred request 3-7 s apart on a loaded host. Past its
+    # firm hold, the delivered block is kept for it while placements find rows
+    # elsewhere: blocks used more recently, but needed by no waiting request,
+    # are evicted first.
+    clock = Clock(100.0)
+    chain = small_chain(4, clock)
+    prefix = [key(n) for n in range(2)]
+    chain.settle(TierChanged(0, added=tuple(prefix)))
+    assert vllm_pass(chain, "r1", prefix) is None
+    carry_out(chain)  # delivered and held for r1
+    clock.now += 1.0
+    other = [key(n) for n in range(50, 52)]
+    plan = chain.place(other)
+    assert plan is not None
+    chain.stored(plan.keys, True)
+    carry_out(chain)
+    assert vllm_pass(chain, "r2", other) == 2  # used after r1's blocks arrived
+    serve(chain, "r2", other, 2)
+    clock.now += 4.0  # r1 not back yet: past hold_s and lookup_deadline_s
+    plan = chain.place([key(n) for n in range(60, 62)])
+    assert plan is not None
+    assert set(plan.evicted) == set(other)
+    chain.stored(plan.keys, True)
+    carry_out(chain)
+    assert vllm_pass(chain, "r1", prefix) == 2
+    serve(chain, "r1", prefix, 2)
+    assert chain.statistics().lookup_deadline_misses == 0
+
+
+def test_a_request_whose_delivered_blocks_went_to_stores_reads_them_again_in_time() -> None:
+    # The CPU tier is so small that a store needs the rows kept for r1: they
+    # yield (past hold_s). When r1 comes back, its gap between passes was
+    # vLLM's, not kvtier's: it waits afresh for the blocks read again, once.
+    clock = Clock(100.0)
+    chain = small_chain(2, clock)
+    prefix = [key(n) for n in range(2)]
+    chain.settle(TierChanged(0, added=tuple(prefix)))
+    assert vllm_pass(chain, "r1", prefix) is None
+    carry_out(chain)
+    clock.now += 1.0
+    plan = chain.place([key(100), key(101)])  # no other row: the kept blocks yield
+    assert plan is not None
+    assert set(plan.evicted) == set(prefix)
+    chain.stored(plan.keys, True)
+    carry_out(chain)
+    clock.now += 2.0  # r1 is back 3 s after its first pass
+    assert vllm_pass(chain, "r1", prefix) is None  # read again, not a deadline miss
+    carry_out(chain)
+    clock.now += STEP_S
+    assert vllm_pass(chain, "r1", prefix) == 2
+    assert chain.statistics().lookup_deadline_misses == 0
+
+
 def test_many_users_on_a_small_cpu_tier_are_answered_without_waiting_out_the_deadline() -> None:
     # Twelve users with prefixes in the file tier over a CPU tier of eight rows:
     # every request stores two new blocks (rows held while written through);

@@ -28,7 +28,7 @@ def test_a_wait_is_bounded_per_request_from_its_first_deferral() -> None:
     while steps < 100:
         req = table.enter("r", key(0))  # the same key: a new pass each step
         assert req is not None
-        if not table.wait(req):
+        if not table.wait(req, key(0)):
             break
         clock.now += 0.1
         steps += 1
@@ -41,7 +41,7 @@ def test_a_pass_answered_starts_a_new_wait() -> None:
     table = Deadlines(DEADLINE_S, rows=8, clock=clock)
     req = table.enter("r", key(0))
     assert req is not None
-    assert table.wait(req)  # deferred at 50.0
+    assert table.wait(req, key(0))  # deferred at 50.0
     clock.now += DEADLINE_S - 0.1
     req = table.enter("r", key(0))  # next pass: deferred again, same wait
     assert req is not None
@@ -53,8 +53,49 @@ def test_a_pass_answered_starts_a_new_wait() -> None:
     req = table.enter("r", key(0))  # ... so this one waits afresh
     assert req is not None
     assert req.since is None
-    assert table.wait(req)
+    assert table.wait(req, key(0))
     assert table.late == 0
+
+
+def test_a_gap_between_passes_after_delivery_is_the_engines_not_a_wait() -> None:
+    # vLLM came back to the request 3 s after everything its pass waited on was
+    # delivered: that gap does not count, once; then the wait is bounded again.
+    clock = Clock(50.0)
+    table = Deadlines(DEADLINE_S, rows=8, clock=clock)
+    req = table.enter("r", key(0))
+    assert req is not None
+    assert table.wait(req, key(0))
+    clock.now += 0.2
+    table.delivered([key(0), key(9)])  # key(9): nobody waits on it, not remembered
+    clock.now += 3.0
+    req = table.enter("r", key(0))  # evicted before it came back: it waits again
+    assert req is not None
+    assert req.since is None
+    assert table.wait(req, key(0))
+    clock.now += 0.2
+    table.delivered([key(0)])
+    clock.now += 3.0
+    req = table.enter("r", key(0))  # the second such gap: the wait goes on, past it
+    assert req is not None
+    assert not table.wait(req, key(0))
+    assert table.late == 1
+
+
+def test_a_pass_whose_wait_was_not_delivered_keeps_its_wait() -> None:
+    clock = Clock(50.0)
+    table = Deadlines(DEADLINE_S, rows=8, clock=clock)
+    req = table.enter("r", key(0))
+    assert req is not None
+    assert table.wait(req, key(0))
+    req = table.enter("r", key(1))
+    assert req is not None
+    assert table.wait(req, key(1))
+    table.delivered([key(0)])  # key(1) never arrives (a stalled tier)
+    clock.now += DEADLINE_S
+    req = table.enter("r", key(0))
+    assert req is not None
+    assert not table.wait(req, key(0))
+    assert table.late == 1
 
 
 def test_keys_past_the_row_limit_are_misses_counted() -> None:
