@@ -7,7 +7,10 @@ directly below each instance's CPU region. See ``docs/host-tier.md``.
   header and geometry, its locks; creating, joining and removing it (:func:`reap_host_segments`);
 * ``_table``: the shared tables (rows, instances, leases) and the protocols on them;
 * ``_tier``: :class:`HostTier`, one instance's view: store, look up, load verified,
-  adopt, and its :class:`HostTierStatistics`;
+  adopt; what it owns beside it: ``_membership`` (joining and leaving the segment),
+  ``_keymap`` (which rows hold which key), ``_own_rows`` (its rows, and which a
+  store takes), ``_leases`` (reads under a lease) and ``_statistics``
+  (:class:`HostTierStatistics`);
 * ``_report``: :func:`survey_host_segments`, what each segment holds, read from outside,
   and what else sits under the prefix (:class:`DamagedHostSegment`);
 * ``_gc``: :func:`reap_damaged_host_segments`, the damaged entries of this user removed;
@@ -32,7 +35,8 @@ from kvtier.tiers.host._report import (
     inspect_host_segments,
     survey_host_segments,
 )
-from kvtier.tiers.host._tier import HostTier, HostTierStatistics
+from kvtier.tiers.host._statistics import HostTierStatistics
+from kvtier.tiers.host._tier import HostTier
 
 __all__ = [
     "SHM_DIR",

@@ -48,7 +48,8 @@ from kvtier.errors import (
 from kvtier.keys import check_keys
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import LoadResult, StoreResult, Tier
-from kvtier.tiers.host._tier import HostTier, HostTierStatistics
+from kvtier.tiers.host._statistics import HostTierStatistics
+from kvtier.tiers.host._tier import HostTier
 from kvtier.transfer.completion import Completion
 
 __all__ = ["ChainedHostTier"]

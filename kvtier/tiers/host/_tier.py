@@ -1,185 +1,73 @@
-"""Private: :class:`HostTier`, one instance's view of the host segment, and its statistics."""
+"""Private: :class:`HostTier`, one instance's view of the host segment.
+
+The tier keeps the public face and the paths that move a block: checking
+what it is given, writing a row, choosing the row a load reads and counting
+the outcome. Its collaborators, each an object it owns, keep the rest:
+
+* ``_membership``: joining the segment (slot, epoch, janitor), its mutex, leaving;
+* ``_keymap``: which rows hold which key, over every instance's rows;
+* ``_own_rows``: the rows this instance owns, and which of them a store takes;
+* ``_leases``: copying a row out under a lease, and which rows readers lease;
+* ``_statistics``: :class:`HostTierStatistics` and the counts behind it.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import os
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Container, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Sequence
 from types import TracebackType
 
-import numpy as np
-import numpy.typing as npt
-
-from kvtier.errors import ClosedError, InvalidArgumentError, SharedRegionError
+from kvtier.errors import ClosedError, InvalidArgumentError
 from kvtier.keys import KEY_BYTES
-from kvtier.shm import MADV_POPULATE_READ, madvise
 from kvtier.tiers import block_format
-from kvtier.tiers.block_format import HEADER_BYTES, VERIFY_OK
-from kvtier.tiers.host._janitor import ensure_janitor
-from kvtier.tiers.host._layout import (
-    LEASES_PER_INSTANCE,
-    SHM_DIR,
-    Geometry,
-    Segment,
-    acquire_mutex,
-    attach,
-    release_mutex,
-    release_slot,
-    unlink_if_last,
-)
-from kvtier.tiers.host._table import Table, fence
+from kvtier.tiers.block_format import HEADER_BYTES
+from kvtier.tiers.host._keymap import KeyMap
+from kvtier.tiers.host._layout import SHM_DIR, Geometry
+from kvtier.tiers.host._leases import Leases
+from kvtier.tiers.host._membership import Membership
+from kvtier.tiers.host._own_rows import OwnRows
+from kvtier.tiers.host._statistics import Counters, HostTierStatistics, collect
 
-__all__ = ["HostTier", "HostTierStatistics"]
-
-_FIELDS = 128
-"""Bytes of a block header a reader copies to verify it (its fields; the rest is padding)."""
-_CLOSE_WAIT = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class HostTierStatistics:
-    """One instance's figures, and the segment's as it sees them now."""
-
-    path: str
-    """The segment file."""
-    rows: int
-    """Rows of the segment (the host budget, in rows)."""
-    row_bytes: int
-    """Payload bytes of a row."""
-    instances: int
-    """Instance slots of the segment."""
-    quota: int
-    """Rows one instance may own (``rows // instances``)."""
-    slot: int
-    """This instance's slot."""
-    live_instances: int
-    """Instances attached now (this one included)."""
-    rows_held: tuple[int, ...]
-    """Rows owned by the live instance of each slot (0 for a free or dead slot)."""
-    rows_orphaned: int
-    """Rows of instances that closed or died, not adopted yet (their blocks stay readable)."""
-    rows_free: int
-    """Rows nobody owns."""
-    blocks: int
-    """Distinct keys the host holds, as far as this instance last refreshed."""
-    own_blocks: int
-    """Blocks in this instance's own rows."""
-    stores: int
-    """Blocks this instance stored."""
-    duplicates_skipped: int
-    """Stores skipped because some instance on the host held the key already."""
-    stores_without_room: int
-    """Stores skipped because every row this instance may use was leased by a reader."""
-    own_hits: int
-    """Verified loads from this instance's own rows."""
-    peer_hits: int
-    """Verified loads from other instances' rows."""
-    stale_peer_reads: int
-    """Loads of a peer's row that found it rewritten, being written, or failing its
-    checksum: a miss, never wrong bytes."""
-    misses: int
-    """Loads of keys no row held as far as this instance knew."""
-    rows_writing: int
-    """Rows with an odd seq: being written now, or left so by a writer that died (never
-    read; the instance that adopts them resets them)."""
-    leases_outstanding: int
-    """Leases held now by live readers, younger than ``lease_ttl_s``."""
-    leases_expired: int
-    """Lease entries of dead readers, or older than ``lease_ttl_s``, not dropped yet (no
-    owner honours them)."""
-    rows_adopted: int
-    """Rows this instance took over from instances that closed or died."""
-    rows_reset: int
-    """Of those, rows whose owner died writing them (reset: they held nothing readable)."""
-    evictions: int = 0
-    """Blocks of this instance's rows evicted to make room for its stores."""
-    integrity_failures: int = 0
-    """Loads of this instance's own rows that failed verification (damaged in
-    memory): dropped, a miss."""
-
-    # The figures every tier of a chain reports (kvtier.tiers.base.TierStatistics).
-
-    @property
-    def block_bytes(self) -> int:
-        """Payload bytes per block (a row's)."""
-        return self.row_bytes
-
-    @property
-    def hits(self) -> int:
-        """Verified loads, from this instance's rows and its peers'."""
-        return self.own_hits + self.peer_hits
-
-    @property
-    def store_failures(self) -> int:
-        """Stores that found no row (every row of this instance leased)."""
-        return self.stores_without_room
-
-    @property
-    def bytes_read(self) -> int:
-        """Payload bytes of verified loads."""
-        return self.hits * self.row_bytes
-
-    @property
-    def bytes_written(self) -> int:
-        """Payload bytes of this instance's stores."""
-        return self.stores * self.row_bytes
-
-    def metric_figures(self) -> dict[str, int | float | str]:
-        """The host tier's own figures (:data:`kvtier.metrics.OWN_FIGURES`)."""
-        return {
-            "integrity_failures_total": self.integrity_failures,
-            "evictions_total": self.evictions,
-            "vanished_blocks_total": self.stale_peer_reads,
-            "peer_blocks": self.blocks - self.own_blocks,
-            "peer_hits_total": self.peer_hits,
-            "stale_peer_reads_total": self.stale_peer_reads,
-            "leases_outstanding": self.leases_outstanding,
-            "rows_held": self.rows_held[self.slot],
-            "used_bytes": self.own_blocks * self.row_bytes,
-            "capacity_bytes": self.quota * self.row_bytes,
-        }
+__all__ = ["HostTier"]
 
 
 class HostTier:
     """One serving instance's hold on the host tier of a namespace (one thread).
 
-    Use :meth:`open`; see ``docs/host-tier.md``. Not wired into the chain or
-    the fronts yet.
+    Use :meth:`open`; see ``docs/host-tier.md``. In a chain it is the first
+    tier below the CPU tier (:class:`~kvtier.tiers.host.ChainedHostTier`).
     """
 
-    hook: Callable[[str], None] | None
-    """For tests: called with ``"store"`` between the two halves of a row's payload
-    being written, and with ``"load"`` between the two halves of a copy out."""
-
-    def __init__(self, seg: Segment, table: Table, slot: int, epoch: int, ttl_s: float) -> None:
-        self._seg = seg
-        self._table = table
-        self._g = seg.geometry
-        self._slot = slot
-        self._epoch = epoch
-        self._ttl_ns = int(ttl_s * 1e9)
+    def __init__(self, member: Membership, ttl_s: float) -> None:
+        self._member = member
+        # The membership's fixed parts as the tier's own attributes: the store and
+        # load paths read them per block, without a hop through it.
+        self._seg = member.seg
+        self._table = member.table
+        self._g = member.seg.geometry
+        self._slot = member.slot
+        self._epoch = member.epoch
         self._closed = False
-        self.hook = None
-        rows = self._g.rows
-        self._where: dict[bytes, list[int]] = {}
-        self._row_key: list[bytes | None] = [None] * rows
-        self._seen: npt.NDArray[np.uint64] = np.zeros(rows, dtype=np.uint64)
-        self._lru: OrderedDict[bytes, int] = OrderedDict()
-        self._free: list[int] = []
-        self._own_rows: set[int] = set()
-        self._lease_free = list(range(LEASES_PER_INSTANCE - 1, -1, -1))
-        self._scratch = bytearray(HEADER_BYTES)
-        self._stores = self._dups = self._no_room = 0
-        self._own_hits = self._peer_hits = self._stale = self._misses = 0
-        self._adopted = self._reset = self._evictions = self._damaged = 0
-        self._evicted: list[bytes] = []
-        self._changes: dict[bytes, bool] = {}
-        """Keys that came to be held on the host (True) or stopped being so
-        (False) since :meth:`take_changes`, as this instance saw them."""
+        self._hook: Callable[[str], None] | None = None
+        self._keys = KeyMap(member.table, self._g.rows)
+        # The key map's table of keys (never rebound by it), for the same reason.
+        self._where = self._keys.where
+        self._leases = Leases(member, ttl_s)
+        self._counts = Counters()
+        self._rows = OwnRows(member, self._keys, self._leases, self._counts)
+        # Its blocks' order, read and bumped per block on the store and load paths.
+        self._lru = self._rows.lru
+
+    @property
+    def hook(self) -> Callable[[str], None] | None:
+        """For tests: called with ``"store"`` between the two halves of a row's payload
+        being written, and with ``"load"`` between the two halves of a copy out."""
+        return self._hook
+
+    @hook.setter
+    def hook(self, hook: Callable[[str], None] | None) -> None:
+        # Kept in two places so neither path pays a property call per block.
+        self._hook = self._leases.hook = hook
 
     # -- opening and closing --------------------------------------------------------------------
 
@@ -241,53 +129,14 @@ class HostTier:
             raise InvalidArgumentError(f"lease_ttl_s must be >= 0, got {lease_ttl_s}")
         g = Geometry(bytes(namespace), int(row_bytes), int(budget_bytes), int(instances))
 
-        def register(seg: Segment) -> HostTier:
-            table = Table(seg)
-            try:
-                slot = table.take_slot(seg.fd)
-                table.sweep(seg.fd, slot)
-                epoch = table.enter(slot)
-                tier = cls(seg, table, slot, epoch, lease_ttl_s)
-                tier._claim(g.quota)
-            except BaseException:
-                table.release()
-                raise
+        def build(member: Membership) -> HostTier:
+            tier = cls(member, lease_ttl_s)
+            tier._rows.claim(g.quota)
             return tier
 
-        def undo(tier: HostTier) -> None:
-            tier._table.release()
-
-        seg, tier = attach(g, directory, join_timeout, register, undo)
-        if orphan_grace_s is not None:
-            ensure_janitor(seg.path, seg.fd, orphan_grace_s)
+        tier = Membership.join(g, directory, join_timeout, orphan_grace_s, build)
         tier.refresh()
         return tier
-
-    def _claim(self, want: int) -> int:
-        """Own up to ``want`` more rows (mutex held); return how many were taken."""
-        t = self._table
-        blocks, empty, reset, adopted = t.claim(self._slot, self._epoch, want)
-        w = t.words
-        dated = []
-        for r in blocks:
-            o = t.row_offset(r) + 60  # the block header's "stored at"
-            dated.append((int.from_bytes(self._seg.map[o : o + 4], "little"), r))
-        for _, r in sorted(dated):
-            key = t.key_at(r)
-            if key in self._lru:  # two rows of one key (two stores raced): keep one
-                t.reset_row(r)
-                empty.append(r)
-            else:
-                self._lru[key] = r
-        for r in empty:
-            self._free.append(r)
-            self._seen[r] = w[t.seq_word(r)]
-            self._forget(r)
-        self._own_rows.update(blocks)
-        self._own_rows.update(empty)
-        self._adopted += adopted
-        self._reset += len(reset)
-        return len(blocks) + len(empty)
 
     def prefault(self, stop: Callable[[], bool] = lambda: False, chunk: int = 64 << 20) -> int:
         """Enter every page of the segment in this process's page tables now.
@@ -302,20 +151,7 @@ class HostTier:
         segment. Returns the bytes populated (0 where the kernel refuses).
         """
         self._check_open()
-        m = self._seg.map
-        size = len(m)
-        anchor = ctypes.c_char.from_buffer(m)  # the map's address; close waits for us
-        try:
-            base = ctypes.addressof(anchor)
-            done = 0
-            while done < size and not stop():
-                n = min(chunk, size - done)
-                if madvise(base + done, n, MADV_POPULATE_READ):
-                    break
-                done += n
-            return done
-        finally:
-            del anchor
+        return self._member.populate(stop, chunk)
 
     def close(self) -> None:
         """Leave the segment: drop this instance's slot and leases; remove it if last.
@@ -326,22 +162,7 @@ class HostTier:
         if self._closed:
             return
         self._closed = True
-        seg, t = self._seg, self._table
-        try:
-            if acquire_mutex(seg.fd, time.monotonic() + _CLOSE_WAIT):
-                try:
-                    t.leave(self._slot)
-                    release_slot(seg.fd, self._slot)
-                    unlink_if_last(seg)
-                finally:
-                    release_mutex(seg.fd)
-            # Without the mutex (an instance stuck holding it) the name stays; closing
-            # the descriptor drops this slot's lock, and the next joiner or reap sees it.
-        finally:
-            t.release()
-            with contextlib.suppress(BufferError):
-                seg.map.close()
-            os.close(seg.fd)
+        self._member.leave()
 
     def __enter__(self) -> HostTier:
         return self
@@ -409,43 +230,18 @@ class HostTier:
         returns the rows folded.
         """
         self._check_open()
-        t = self._table
-        t.beat(self._slot)
-        changed = t.changes(self._seen)
-        for row, key, _settled in changed:
-            old = self._row_key[row]
-            if old == key:
-                continue
-            if old is not None:
-                self._unplace(old, row)
-            self._row_key[row] = key
-            if key is not None:
-                self._place(key, row, first=False)
-        return len(changed)
-
-    def _place(self, key: bytes, row: int, *, first: bool) -> None:
-        rows = self._where.get(key)
-        if rows is None:
-            self._where[key] = [row]
-            self._changes[key] = True
-        elif first:
-            rows.insert(0, row)
-        else:
-            rows.append(row)
+        self._table.beat(self._slot)
+        return self._keys.refresh()
 
     def take_changes(self) -> tuple[list[bytes], list[bytes]]:
         """Keys that came to be held on the host, and keys no longer held, since the
         last call (as :meth:`refresh` and this instance's own stores and evictions
         found them): ``(added, removed)``."""
-        changes, self._changes = self._changes, {}
-        added = [k for k, there in changes.items() if there and k in self._where]
-        removed = [k for k, there in changes.items() if not there and k not in self._where]
-        return added, removed
+        return self._keys.take_changes()
 
     def take_evicted(self) -> list[bytes]:
         """Keys this instance's stores evicted from its rows since the last call."""
-        evicted, self._evicted = self._evicted, []
-        return evicted
+        return self._rows.take_evicted()
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark blocks of this instance's rows used, as a load would (others' are theirs)."""
@@ -453,22 +249,6 @@ class HostTier:
         for key in keys:
             if key in lru:
                 lru.move_to_end(key)
-
-    def _unplace(self, key: bytes, row: int) -> None:
-        rows = self._where.get(key)
-        if rows is None:
-            return
-        with contextlib.suppress(ValueError):
-            rows.remove(row)
-        if not rows:
-            del self._where[key]
-            self._changes[key] = False
-
-    def _forget(self, row: int) -> None:
-        old = self._row_key[row]
-        if old is not None:
-            self._unplace(old, row)
-            self._row_key[row] = None
 
     # -- storing --------------------------------------------------------------------------------
 
@@ -527,66 +307,16 @@ class HostTier:
         batch: set[bytes] = set()
         for i, key in enumerate(keys):
             if key in self._where or key in batch:
-                self._dups += 1
+                self._counts.duplicates_skipped += 1
             else:
                 batch.add(key)
                 todo.append(i)
-        rows = self._take_rows(len(todo), keep)
-        self._no_room += len(todo) - len(rows)
+        rows = self._rows.take(len(todo), keep)
+        self._counts.stores_without_room += len(todo) - len(rows)
         for i, (row, seq) in zip(todo, rows, strict=False):
             self._write(row, seq, keys[i], views[i])
             out[i] = True
         return out
-
-    def _take_rows(self, n: int, keep: Container[bytes] = frozenset()) -> list[tuple[int, int]]:
-        """``n`` rows (or fewer) made odd for writing, none leased nor holding a block
-        of ``keep``: ``(row, odd seq)``."""
-        t, w = self._table, self._table.words
-        row_key = self._row_key
-        got: list[tuple[int, int]] = []
-        tried: set[int] = set()
-        while len(got) < n:
-            cands: dict[int, int] = {}
-            kept: list[int] = []
-            while len(got) + len(cands) < n and self._free:
-                r = self._free.pop()
-                if r in tried:
-                    kept.append(r)
-                else:
-                    cands[r] = int(w[t.seq_word(r)])
-            self._free.extend(kept)
-            victims = iter(self._lru.values())  # oldest first; not changed until gathered
-            while len(got) + len(cands) < n:
-                r = next(victims, -1)
-                if r < 0:
-                    break
-                if r not in tried and (not keep or row_key[r] not in keep):
-                    cands[r] = int(w[t.seq_word(r)])
-            if not cands:
-                break
-            for r, seq in cands.items():
-                w[t.seq_word(r)] = seq | 1
-            fence()
-            leased = t.leased(self._seg.fd, self._slot, cands, self._ttl_ns)
-            for r, seq in cands.items():
-                tried.add(r)
-                key_held = self._row_key[r]
-                if r in leased:
-                    w[t.seq_word(r)] = seq  # nothing changed: its readers' checks pass
-                    if key_held is not None and key_held in self._lru:
-                        self._lru.move_to_end(key_held)
-                    else:
-                        self._free.insert(0, r)
-                    continue
-                if key_held is not None:
-                    if self._lru.pop(key_held, None) is not None:
-                        self._evicted.append(key_held)
-                        self._evictions += 1
-                    self._forget(r)
-                got.append((r, seq | 1))
-            if len(tried) >= len(self._own_rows):
-                break
-        return got
 
     def _write(self, row: int, seq: int, key: bytes, payload: memoryview) -> None:
         t, m = self._table, self._seg.map
@@ -601,8 +331,8 @@ class HostTier:
         # instance meant to store fails verification: a miss.
         summed = block_format.checksum(payload)
         m[p : p + half] = payload[:half]
-        if self.hook is not None:
-            self.hook("store")
+        if self._hook is not None:
+            self._hook("store")
         m[p + half : p + n] = payload[half:]
         page = memoryview(m)[o : o + HEADER_BYTES]
         try:
@@ -611,23 +341,14 @@ class HostTier:
             page.release()
         t.set_key(row, key)
         t.words[t.seq_word(row)] = seq + 1
-        self._seen[row] = seq + 1
-        self._row_key[row] = key
-        self._place(key, row, first=True)
+        self._keys.stored(row, key, seq + 1)
         self._lru[key] = row
-        self._stores += 1
+        self._counts.stores += 1
 
     def remove(self, key: bytes) -> bool:
         """Evict ``key`` from this instance's rows (others' rows are theirs); True if held."""
         self._check_open()
-        row = self._lru.pop(key, None)
-        if row is None:
-            return False
-        self._table.reset_row(row)
-        self._seen[row] = self._table.words[self._table.seq_word(row)]
-        self._forget(row)
-        self._free.append(row)
-        return True
+        return self._rows.drop(key)
 
     # -- loading --------------------------------------------------------------------------------
 
@@ -669,64 +390,26 @@ class HostTier:
     def _load(self, key: bytes, into: memoryview) -> bool:
         rows = self._where.get(key)
         if not rows:
-            self._misses += 1
+            self._counts.misses += 1
             return False
         own_row = self._lru.get(key)
         row = own_row if own_row is not None else rows[0]
         own = own_row is not None
-        ok = self._copy(row, key, into, lease=not own)
+        ok = self._leases.copy(row, key, into, lease=not own)
         if own:
             if ok:
-                self._own_hits += 1
+                self._counts.own_hits += 1
                 self._lru.move_to_end(key)
             else:  # damaged in memory (nobody else writes it): drop it
                 self.remove(key)
-                self._misses += 1
-                self._damaged += 1
+                self._counts.misses += 1
+                self._counts.integrity_failures += 1
             return ok
         if ok:
-            self._peer_hits += 1
+            self._counts.peer_hits += 1
         else:
-            self._stale += 1
+            self._counts.stale_peer_reads += 1
         return ok
-
-    def _copy(self, row: int, key: bytes, into: memoryview, *, lease: bool) -> bool:
-        t, w, m = self._table, self._table.words, self._seg.map
-        i = t.seq_word(row)
-        s1 = int(w[i])
-        if s1 & 1 or t.key_at(row) != key:
-            return False
-        li = -1
-        if lease and self._lease_free:
-            li = self._lease_free.pop()
-            lw = t.lease_word_of(self._slot, li)
-            w[lw + 2] = time.monotonic_ns()
-            w[lw + 1] = s1
-            w[lw] = row + 1
-            fence()
-        try:
-            if w[i] != s1:
-                return False
-            o = t.row_offset(row)
-            p = o + HEADER_BYTES
-            n = self._g.row_bytes
-            half = n // 2
-            # Through a memoryview: slicing the mmap itself would copy into a
-            # new bytes first (measured: 2.8x slower for 1 MiB rows).
-            with memoryview(m) as view:
-                self._scratch[:_FIELDS] = view[o : o + _FIELDS]
-                into[:half] = view[p : p + half]
-                if self.hook is not None:
-                    self.hook("load")
-                into[half:] = view[p + half : p + n]
-            if w[i] != s1:
-                return False
-        finally:
-            if li >= 0:
-                w[t.lease_word_of(self._slot, li)] = 0
-                self._lease_free.append(li)
-        code = block_format.verify_block(memoryview(self._scratch), key, self._g.namespace, into)
-        return code == VERIFY_OK
 
     # -- upkeep ---------------------------------------------------------------------------------
 
@@ -742,7 +425,7 @@ class HostTier:
             The mutex stayed held past the wait (its holder is stopped or stuck).
         """
         self._check_open()
-        with self._mutex():
+        with self._member.mutex():
             return len(self._table.sweep(self._seg.fd, self._slot))
 
     def adopt(self) -> int:
@@ -752,57 +435,14 @@ class HostTier:
         died after it opened calls it. Returns the rows taken.
         """
         self._check_open()
-        with self._mutex():
+        with self._member.mutex():
             self._table.sweep(self._seg.fd, self._slot)
             want = self._g.quota - self._table.owned(self._slot, self._epoch)
-            taken = self._claim(want) if want > 0 else 0
+            taken = self._rows.claim(want) if want > 0 else 0
         self.refresh()
         return taken
-
-    @contextlib.contextmanager
-    def _mutex(self) -> Iterator[None]:
-        if not acquire_mutex(self._seg.fd, time.monotonic() + _CLOSE_WAIT):
-            raise SharedRegionError(
-                f"host segment {self._seg.path} stayed locked for {_CLOSE_WAIT} s: the "
-                "instance holding it is stopped or stuck"
-            )
-        try:
-            yield
-        finally:
-            release_mutex(self._seg.fd)
 
     def statistics(self) -> HostTierStatistics:
         """This instance's figures and the segment's (a syscall per live slot)."""
         self._check_open()
-        t, fd = self._table, self._seg.fd
-        live = t.live_slots(fd, self._slot)
-        held, orphaned, free = t.rows_held(live)
-        outstanding, expired = t.lease_counts(fd, self._slot, self._ttl_ns)
-        return HostTierStatistics(
-            path=self._seg.path,
-            rows=self._g.rows,
-            row_bytes=self._g.row_bytes,
-            instances=self._g.instances,
-            quota=self._g.quota,
-            slot=self._slot,
-            live_instances=sum(live),
-            rows_held=held,
-            rows_orphaned=orphaned,
-            rows_free=free,
-            blocks=len(self._where),
-            own_blocks=len(self._lru),
-            stores=self._stores,
-            duplicates_skipped=self._dups,
-            stores_without_room=self._no_room,
-            own_hits=self._own_hits,
-            peer_hits=self._peer_hits,
-            stale_peer_reads=self._stale,
-            misses=self._misses,
-            rows_writing=t.writing(),
-            leases_outstanding=outstanding,
-            leases_expired=expired,
-            rows_adopted=self._adopted,
-            rows_reset=self._reset,
-            evictions=self._evictions,
-            integrity_failures=self._damaged,
-        )
+        return collect(self._member, self._leases, self._counts, len(self._where), len(self._lru))
