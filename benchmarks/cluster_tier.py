@@ -201,8 +201,7 @@ async def run_size(
 async def lookup_costs(tier: ClusterTier) -> tuple[float, float, float]:
     """ns per key of lookup, µs per request and per key of refresh (32-key requests)."""
     keys = block_keys(1024, salt=250)
-    for k in keys:
-        tier._remember(k)  # as if stored: lookup walks the whole prefix
+    tier._presence.remember_all(keys)  # as if stored: lookup walks the whole prefix
     reps = 200
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -212,7 +211,7 @@ async def lookup_costs(tier: ClusterTier) -> tuple[float, float, float]:
     t0 = time.perf_counter()
     for req in fresh:
         for k in req:
-            tier._present.pop(k, None)
+            tier._presence.known.pop(k, None)
         await tier.refresh(req)
     per_req = (time.perf_counter() - t0) / len(fresh) * 1e6
     return lookup_ns, per_req, per_req / 32

@@ -261,6 +261,7 @@ OWN_FIGURES: dict[str, str] = {
     "recovery_state": "1 for this tier's recovery state (running, complete, failed), else 0.",
     "node_outages_total": "Times a node of this tier stopped answering (its keys then miss).",
     "nodes_down": "Nodes of this tier not answering now.",
+    "round_trips_total": "Cluster tier: pipelines sent, one round trip to one node each.",
     "peer_hits_total": "Host tier: verified loads of blocks other instances on the host stored.",
     "stale_peer_reads_total": "Host tier: reads of another instance's row that found it reused.",
     "leases_outstanding": "Host tier: leases live readers hold on rows now.",

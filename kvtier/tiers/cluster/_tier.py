@@ -27,47 +27,39 @@ blocks of the pipeline they hit with a typed, counted
 :class:`~kvtier.errors.TierIOError`. A node that does not answer, at open or
 later, is *down*: one WARNING names it, its blocks fail at once (misses)
 while a background task probes it with backoff, and the tier serves the
-other nodes meanwhile (see :mod:`kvtier.tiers.cluster._client`). The open
+other nodes meanwhile (see :mod:`kvtier.tiers.cluster._outages`). The open
 waits on no node longer than ``connect_timeout_s``, and opens with nodes
 down, or none answering, unless ``require_at_open``.
+
+The tier checks calls, runs transfers in its tasks and closes; the work is
+done by collaborators it owns, one concern each, sharing one presence set and
+one tally: :mod:`~kvtier.tiers.cluster._values` (keys, headers, verification),
+:mod:`~kvtier.tiers.cluster._presence` (what is known present; refresh),
+:mod:`~kvtier.tiers.cluster._transfers` (the store and load paths),
+:mod:`~kvtier.tiers.cluster._statistics` (the record).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import time
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config import ClusterTierConfig
-from kvtier.errors import (
-    BlockNotFoundError,
-    ClosedError,
-    ConfigurationError,
-    IntegrityError,
-    InvalidArgumentError,
-    KVTierError,
-    NamespaceMismatchError,
-)
+from kvtier.errors import ClosedError, ConfigurationError, InvalidArgumentError, KVTierError
 from kvtier.keys import KEY_BYTES, check_keys
 from kvtier.layout import KVLayout
-from kvtier.tiers import block_format
 from kvtier.tiers.base import LoadResult, StoreResult, Tier
-from kvtier.tiers.block_format import (
-    HEADER_BYTES,
-    VERIFY_OK,
-    HeaderError,
-    decode_header_fields,
-)
-from kvtier.tiers.cluster._reader import BulkError
+from kvtier.tiers.cluster._presence import Presence
+from kvtier.tiers.cluster._statistics import ClusterTierStatistics, Counters, snapshot
+from kvtier.tiers.cluster._transfers import LoadPath, StorePath
+from kvtier.tiers.cluster._values import ValueFormat
 from kvtier.transfer.completion import Completion
 
 if TYPE_CHECKING:
     # The client module imports redis (the optional ``cluster`` extra): loaded
     # only when a tier opens, so the engine imports without it.
-    from kvtier.tiers.cluster._client import ClusterClient, Value
+    from kvtier.tiers.cluster._client import ClusterClient
 
 __all__ = ["ClusterTier", "ClusterTierConfig", "ClusterTierStatistics"]
 
@@ -93,97 +85,6 @@ async def open_cluster_client(config: ClusterTierConfig, *, strict: bool = True)
             "the cluster tier needs the redis client: pip install redis"
         ) from exc
     return await open_client(config, strict=strict)
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterTierStatistics:
-    """State and counters of one :class:`ClusterTier` instance (not of the cluster)."""
-
-    mode: Literal["cluster", "single"]
-    """``cluster`` or ``single`` (one server)."""
-    nodes: int
-    """Primary nodes known (1 with ``mode="single"``)."""
-    blocks: int
-    """Keys in this instance's presence set (stored, loaded or refreshed here)."""
-    block_bytes: int
-    """Payload bytes per block."""
-    value_bytes: int
-    """Bytes of one value on the server (header + payload)."""
-    hits: int
-    """Blocks loaded and verified."""
-    misses: int
-    """Blocks asked for and not loaded (absent, vanished, damaged or failed)."""
-    vanished: int
-    """Misses of blocks the presence set held (evicted by the server, removed by a peer)."""
-    verification_failures: int
-    """Values read back and refused: truncated, foreign, of another namespace or
-    key, or failing their checksum."""
-    stores: int
-    """Blocks written."""
-    skipped: int
-    """Blocks not written because this instance knew them present."""
-    store_failures: int
-    """Blocks whose write failed (a fault, or the server out of memory)."""
-    load_failures: int
-    """Blocks whose read failed on a fault (counted in ``misses`` too)."""
-    bytes_read: int
-    """Payload bytes of successful loads."""
-    bytes_written: int
-    """Payload bytes of successful stores."""
-    read_gbps: float
-    """``bytes_read`` over the time loads were in flight, in GB/s (1e9 B/s)."""
-    write_gbps: float
-    """``bytes_written`` over the time stores were in flight, in GB/s."""
-    round_trips: int
-    """Pipelines sent (one round trip to one node each)."""
-    exists_queries: int
-    """Keys asked about with ``EXISTS`` by :meth:`ClusterTier.refresh`."""
-    timeouts: int
-    """Pipelines that timed out."""
-    connection_errors: int
-    """Pipelines that lost or could not open their connection."""
-    redirections: int
-    """Commands left failing with MOVED/ASK/TRYAGAIN after redis-py's own redirection."""
-    cluster_down: int
-    """Commands refused with CLUSTERDOWN, or keys of a slot no node serves."""
-    refused_in_backoff: int
-    """Blocks failed at once, without I/O, because their node was down."""
-    reconnects: int
-    """Tries to reach a node again during its outage (background probes)."""
-    outages: int
-    """Node outages begun: a node found not answering, at open or by a fault of
-    a pipeline (one WARNING each, naming the node); when no node answered at
-    open, one for the whole cluster."""
-    recoveries: int
-    """Outages ended: the node answered again, or serves no slot any more."""
-    nodes_down: int
-    """Nodes in an outage now: their blocks are misses, without I/O."""
-
-    def metric_figures(self) -> dict[str, int | float | str]:
-        """The cluster tier's own figures (:data:`kvtier.metrics.OWN_FIGURES`)."""
-        return {
-            "integrity_failures_total": self.verification_failures,
-            "vanished_blocks_total": self.vanished,
-            "node_outages_total": self.outages,
-            "nodes_down": self.nodes_down,
-        }
-
-
-@dataclass(slots=True)
-class _Counters:
-    hits: int = 0
-    misses: int = 0
-    vanished: int = 0
-    verify_failed: int = 0
-    stores: int = 0
-    skipped: int = 0
-    store_failures: int = 0
-    load_failures: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    exists: int = 0
-    read_busy: float = 0.0
-    write_busy: float = 0.0
 
 
 class ClusterTier(Tier):
@@ -218,15 +119,15 @@ class ClusterTier(Tier):
         self._loop = asyncio.get_running_loop()
         self._config = config
         self._client = client
-        self._namespace = namespace
-        self._block_bytes = block_bytes
-        self._value_bytes = HEADER_BYTES + block_bytes
-        self._key_prefix = f"{config.tenant_prefix}:{namespace.hex()}:".encode()
-        self._present: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        self._writing: set[bytes] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
-        self._counts = _Counters()
+        # Collaborators by concern, all over one tally and one presence set:
+        # the tier checks calls, runs their coroutines in its tasks and closes.
+        self._counts = Counters()
+        self._format = ValueFormat(config.tenant_prefix, namespace, block_bytes)
+        self._presence = Presence(config.presence_capacity, client, self._format, self._counts)
+        self._stores = StorePath(client, self._format, self._presence, self._counts)
+        self._loads = LoadPath(client, self._format, self._presence, self._counts)
 
     # -- opening ------------------------------------------------------------------------
 
@@ -290,7 +191,7 @@ class ClusterTier(Tier):
 
     @property
     def block_bytes(self) -> int:
-        return self._block_bytes
+        return self._format.block_bytes
 
     @property
     def closed(self) -> bool:
@@ -313,7 +214,7 @@ class ClusterTier(Tier):
 
     def key_of(self, key: bytes) -> bytes:
         """The server key of block ``key``: ``<tenant>:<namespace hex>:<key hex>``."""
-        return self._key_prefix + key.hex().encode()
+        return self._format.key_of(key)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Length of the longest prefix of ``keys`` in the presence set; no I/O.
@@ -322,63 +223,31 @@ class ClusterTier(Tier):
         block a peer stored is not counted until :meth:`refresh` or a load
         found it.
         """
-        present = self._present
-        n = 0
-        for k in keys:
-            if k not in present:
-                break
-            n += 1
-        return n
+        return self._presence.lookup(keys)
 
     def is_ready(self, key: bytes) -> bool:
         """True when ``key`` is in the presence set (a hint, as for :meth:`lookup`)."""
-        return key in self._present
+        return key in self._presence.known
 
     def __contains__(self, key: object) -> bool:
-        return key in self._present or key in self._writing
+        return key in self._presence.known or key in self._presence.writing
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Keep ``keys`` in the presence set longest; absent keys are ignored.
 
         The server's own LRU sees every GET; a touch does no I/O.
         """
-        present = self._present
-        for k in keys:
-            if k in present:
-                present.move_to_end(k)
+        self._presence.touch(keys)
 
     def statistics(self) -> ClusterTierStatistics:
         """A snapshot of this instance's state and counters."""
-        c, f = self._counts, self._client.faults
-        return ClusterTierStatistics(
-            mode=self._config.mode,
-            nodes=self._client.node_count(),
-            blocks=len(self._present),
-            block_bytes=self._block_bytes,
-            value_bytes=self._value_bytes,
-            hits=c.hits,
-            misses=c.misses,
-            vanished=c.vanished,
-            verification_failures=c.verify_failed,
-            stores=c.stores,
-            skipped=c.skipped,
-            store_failures=c.store_failures,
-            load_failures=c.load_failures,
-            bytes_read=c.bytes_read,
-            bytes_written=c.bytes_written,
-            read_gbps=c.bytes_read / c.read_busy / 1e9 if c.read_busy else 0.0,
-            write_gbps=c.bytes_written / c.write_busy / 1e9 if c.write_busy else 0.0,
-            round_trips=f.round_trips,
-            exists_queries=c.exists,
-            timeouts=f.timeouts,
-            connection_errors=f.connection_errors,
-            redirections=f.redirections,
-            cluster_down=f.cluster_down,
-            refused_in_backoff=f.refused_in_backoff,
-            reconnects=f.reconnects,
-            outages=f.outages,
-            recoveries=f.recoveries,
-            nodes_down=self._client.nodes_down,
+        return snapshot(
+            self._config,
+            self._client,
+            self._counts,
+            blocks=len(self._presence.known),
+            block_bytes=self._format.block_bytes,
+            value_bytes=self._format.value_bytes,
         )
 
     # -- refresh (one pipelined EXISTS per node) -----------------------------------------
@@ -413,24 +282,7 @@ class ClusterTier(Tier):
         """
         self._check_open()
         check_keys(keys)
-        unknown = [k for k in keys if k not in self._present]
-        if not unknown:
-            return len(keys)
-        rkeys = [self.key_of(k) for k in unknown]
-        plans, _failed = self._client.plan(rkeys, 64)
-        self._counts.exists += len(unknown)
-
-        async def one(node: str, idx: list[int]) -> None:
-            try:
-                res = await self._client.run(node, [("EXISTS", rkeys[i]) for i in idx])
-            except KVTierError:
-                return
-            for i, r in zip(idx, res, strict=True):
-                if r == 1:
-                    self._remember(unknown[i])
-
-        await asyncio.gather(*(one(node, idx) for node, idx in plans))
-        return self.lookup(keys)
+        return await self._presence.refresh(keys)
 
     # -- store --------------------------------------------------------------------------
 
@@ -453,71 +305,8 @@ class ClusterTier(Tier):
         """
         views = self._check_call(keys, buffers, writable=False)
         done: Completion[StoreResult] = Completion(self._loop)
-        busy = self._writing
-        todo = [i for i, k in enumerate(keys) if k not in self._present and k not in busy]
-        skipped = tuple(k for k in keys if k in self._present or k in busy)
-        self._counts.skipped += len(skipped)
-        for i in todo:
-            self._writing.add(keys[i])
-        self._spawn(self._store([keys[i] for i in todo], [views[i] for i in todo], skipped), done)
+        self._spawn(self._stores.begin(keys, views), done)
         return done
-
-    async def _store(
-        self, keys: list[bytes], views: list[memoryview], skipped: tuple[bytes, ...]
-    ) -> StoreResult:
-        c = self._counts
-        failed: dict[bytes, KVTierError] = {}
-        stored: list[bytes] = []
-        try:
-            rkeys = [self.key_of(k) for k in keys]
-            plans, early = self._client.plan(rkeys, self._value_bytes)
-            for i, exc in early.items():
-                failed[keys[i]] = exc
-            stamp = int(time.time())
-
-            async def one(node: str, idx: list[int]) -> None:
-                def values() -> list[Value]:
-                    # Made when the pipeline may go: the headers (the payloads'
-                    # checksums) are computed just before they are sent.
-                    payloads = [views[i] for i in idx]
-                    heads = self._headers([keys[i] for i in idx], payloads, stamp)
-                    return [(rkeys[i], h, v) for i, h, v in zip(idx, heads, payloads, strict=True)]
-
-                try:
-                    res = await self._client.set_values(node, values)
-                except KVTierError as exc:
-                    for i in idx:
-                        failed[keys[i]] = exc
-                    return
-                for i, r in zip(idx, res, strict=True):
-                    if isinstance(r, BaseException):
-                        failed[keys[i]] = self._client.error(r, node)
-                    else:
-                        stored.append(keys[i])
-
-            t0 = time.perf_counter()
-            await asyncio.gather(*(one(node, idx) for node, idx in plans))
-            c.write_busy += time.perf_counter() - t0
-        finally:
-            for k in keys:
-                self._writing.discard(k)
-        order = {k: i for i, k in enumerate(keys)}
-        stored.sort(key=order.__getitem__)
-        for k in stored:
-            self._remember(k)
-        c.stores += len(stored)
-        c.store_failures += len(failed)
-        c.bytes_written += len(stored) * self._block_bytes
-        return StoreResult(stored=tuple(stored), skipped=skipped, failed=failed)
-
-    def _headers(
-        self, keys: list[bytes], payloads: list[memoryview], stamp: int
-    ) -> list[memoryview]:
-        """The sealed headers of ``payloads``: two compiled calls for a pipeline's blocks."""
-        heads = [memoryview(bytearray(HEADER_BYTES)) for _ in keys]
-        sums = block_format.checksums(payloads)  # the GIL released once for all
-        block_format.seal_headers(heads, keys, self._namespace, self._block_bytes, sums, stamp)
-        return heads
 
     # -- load ---------------------------------------------------------------------------
 
@@ -536,142 +325,8 @@ class ClusterTier(Tier):
         """
         views = self._check_call(keys, buffers, writable=True)
         done: Completion[LoadResult] = Completion(self._loop)
-        self._spawn(self._load(list(keys), views), done)
+        self._spawn(self._loads.load(list(keys), views), done)
         return done
-
-    async def _load(self, keys: list[bytes], views: list[memoryview]) -> LoadResult:
-        c = self._counts
-        missing: dict[bytes, KVTierError] = {}
-        loaded: set[bytes] = set()
-        rkeys = [self.key_of(k) for k in keys]
-        plans, early = self._client.plan(rkeys, self._value_bytes)
-        for i, exc in early.items():
-            missing[keys[i]] = exc
-        faults = len(early)
-
-        def settle(key: bytes, problem: KVTierError | None) -> None:
-            if problem is None:
-                loaded.add(key)
-                return
-            missing[key] = problem
-            if isinstance(problem, BlockNotFoundError):
-                if key in self._present:
-                    c.vanished += 1
-            else:
-                c.verify_failed += 1
-            self._present.pop(key, None)
-
-        async def via_redis(node: str, idx: list[int]) -> None:
-            nonlocal faults
-            try:
-                res = await self._client.run(node, [("GET", rkeys[i]) for i in idx])
-            except KVTierError as exc:
-                faults += len(idx)
-                for i in idx:
-                    missing[keys[i]] = exc
-                return
-            for i, value in zip(idx, res, strict=True):
-                if isinstance(value, BaseException):
-                    faults += 1
-                    missing[keys[i]] = self._client.error(value, node)
-                else:
-                    settle(keys[i], self._verify_into(keys[i], value, views[i]))
-
-        async def one(node: str, idx: list[int]) -> None:
-            nonlocal faults
-            if not self._client.direct:
-                await via_redis(node, idx)
-                return
-            try:
-                res = await self._client.get_into(
-                    node, [rkeys[i] for i in idx], [views[i] for i in idx]
-                )
-            except KVTierError as exc:
-                faults += len(idx)
-                for i in idx:
-                    missing[keys[i]] = exc
-                return
-            again = []
-            for i, reply in zip(idx, res, strict=True):
-                if isinstance(reply, BulkError):
-                    again.append(i)  # MOVED, ASK, ...: redis-py follows them
-                else:
-                    settle(keys[i], self._verify_reply(keys[i], reply, views[i]))
-            if again:
-                await via_redis(node, again)
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(node, idx) for node, idx in plans))
-        c.read_busy += time.perf_counter() - t0
-        for k in keys:
-            if k in loaded:
-                self._remember(k)
-        c.hits += len(loaded)
-        c.misses += len(missing)
-        c.load_failures += faults
-        c.bytes_read += len(loaded) * self._block_bytes
-        return LoadResult(loaded=tuple(k for k in keys if k in loaded), missing=missing)
-
-    def _verify_reply(
-        self, key: bytes, reply: bytearray | int | None, row: memoryview
-    ) -> KVTierError | None:
-        """Check a direct reply as ``key``'s block, its payload already in ``row``; why not."""
-        if reply is None:
-            return BlockNotFoundError(f"block {key.hex()} is not in the cluster tier")
-        if isinstance(reply, int):
-            return IntegrityError(
-                f"value has {reply} bytes, a block has {self._value_bytes} (truncated or foreign)",
-                self.key_of(key).decode(),
-            )
-        return self._verify(key, memoryview(reply), row)
-
-    def _verify(self, key: bytes, header: memoryview, payload: memoryview) -> KVTierError | None:
-        """Check ``header`` and ``payload`` as ``key``'s block; why not."""
-        # One compiled call for a sound block; the reasons below for the others.
-        if block_format.verify_block(header, key, self._namespace, payload) == VERIFY_OK:
-            return None
-        problem = self._refusal(key, header, payload)
-        if problem is None:  # refused all the same: never served
-            problem = IntegrityError("block failed verification", self.key_of(key).decode())
-        return problem
-
-    def _refusal(self, key: bytes, header: memoryview, payload: memoryview) -> KVTierError | None:
-        """Why ``header`` and ``payload`` are not ``key``'s block (None: no reason found)."""
-        where = self.key_of(key).decode()
-        try:
-            hkey, ns, nbytes, _at, pcheck = decode_header_fields(header)
-        except HeaderError as exc:
-            return IntegrityError(f"not a kvtier block: {exc}", where)
-        if ns != self._namespace:
-            return NamespaceMismatchError(
-                f"{where}: value of namespace {ns.hex()}, expected {self._namespace.hex()}"
-            )
-        if hkey != key or nbytes != self._block_bytes:
-            return IntegrityError("header names another block or size", where)
-        if block_format.checksum(payload) != pcheck:
-            return IntegrityError("payload checksum mismatch", where)
-        return None
-
-    def _verify_into(self, key: bytes, value: object, into: memoryview) -> KVTierError | None:
-        """Check ``value`` as ``key``'s block and copy its payload into ``into``; why not."""
-        where = self.key_of(key).decode()
-        if value is None:
-            return BlockNotFoundError(f"block {key.hex()} is not in the cluster tier")
-        if not isinstance(value, bytes):
-            return IntegrityError(f"value is a {type(value).__name__}, not a block", where)
-        if len(value) != self._value_bytes:
-            return IntegrityError(
-                f"value has {len(value)} bytes, a block has {self._value_bytes} (truncated "
-                "or foreign)",
-                where,
-            )
-        view = memoryview(value)
-        payload = view[HEADER_BYTES:]
-        problem = self._verify(key, view[:HEADER_BYTES], payload)
-        if problem is not None:
-            return problem
-        into[:] = payload
-        return None
 
     # -- removal and closing ------------------------------------------------------------
 
@@ -684,9 +339,10 @@ class ClusterTier(Tier):
         """
         self._check_open()
         check_keys(keys)
-        gone = [k for k in keys if k in self._present]
+        present = self._presence.known
+        gone = [k for k in keys if k in present]
         for k in gone:
-            del self._present[k]
+            del present[k]
         if gone:
             self._spawn(self._delete(gone), None)
 
@@ -725,13 +381,6 @@ class ClusterTier(Tier):
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _remember(self, key: bytes) -> None:
-        present = self._present
-        present[key] = None
-        present.move_to_end(key)
-        if len(present) > self._config.presence_capacity:
-            present.popitem(last=False)
-
     def _spawn(
         self,
         coro: Coroutine[Any, Any, Any],
@@ -769,14 +418,15 @@ class ClusterTier(Tier):
                 f"{len(keys)} keys but {len(buffers)} buffers (one buffer per key)"
             )
         views: list[memoryview] = []
+        block_bytes = self._format.block_bytes
         for i, b in enumerate(buffers):
             try:
                 v = b if isinstance(b, memoryview) else memoryview(b)
             except TypeError as exc:
                 raise InvalidArgumentError(f"buffer {i} is not a buffer: {exc}") from exc
-            if v.nbytes != self._block_bytes:
+            if v.nbytes != block_bytes:
                 raise InvalidArgumentError(
-                    f"buffer {i} has {v.nbytes} bytes, blocks have {self._block_bytes}"
+                    f"buffer {i} has {v.nbytes} bytes, blocks have {block_bytes}"
                 )
             if not v.c_contiguous:
                 raise InvalidArgumentError(f"buffer {i} is not contiguous")
