@@ -24,7 +24,12 @@ private modules):
 
 Its parts, each a private module of this package:
 
-* ``_tier``: :class:`FileTier`, the facade wiring the parts below at open;
+* ``_tier``: :class:`FileTier`, the facade over the parts below; ``_opening``:
+  the steps of an open before the tier exists, and their undoing; ``_parts``:
+  the parts wired, their idleness, registered memory and release;
+  ``_statistics``: :class:`FileTierStatistics`, gathered from the parts;
+  ``_buffers``: the checks of a call's buffers; ``_sharing``: lookups, loads
+  and listeners over other instances' partitions;
 * ``_root``: what a root holds, measured; ``_sizing``: what a namespace of so
   many slots may take on disk; ``_root_lock``: the lock around every change
   of shares; ``_budget``: a namespace's share of the root's budget, reclaiming

@@ -354,11 +354,11 @@ async def test_bad_buffers_refused_by_either_check(
 ) -> None:
     """The compiled check of a call's buffers and the Python one refuse the same
     buffers with the same typed errors, and accept the same ones (viewed as bytes)."""
-    from kvtier.tiers.file import _tier as file_tier
+    from kvtier.tiers.file import _buffers
 
     if not compiled:
-        monkeypatch.setattr(file_tier, "_check_views_c", None)
-    elif file_tier._check_views_c is None:
+        monkeypatch.setattr(_buffers, "_check_views_c", None)
+    elif _buffers._check_views_c is None:
         pytest.skip("the compiled helper kvtier.transfer._address is not built")
     tier = await open_tier()
     ks = keys(3)

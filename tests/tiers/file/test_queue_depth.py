@@ -19,8 +19,8 @@ from kvtier.errors import ConfigurationError, InvalidArgumentError, TierIOError
 from kvtier.layout import KVLayout, TensorSpec
 from kvtier.testing.faults import FaultPlan, FaultyIOEngine
 from kvtier.tiers.file import FileTier
+from kvtier.tiers.file._opening import AUTO_DEPTH_FALLBACK
 from kvtier.tiers.file._slots import data_runs, probe_range
-from kvtier.tiers.file._tier import AUTO_DEPTH_FALLBACK
 from kvtier.transfer.io_engine import (
     DEEP_DEPTH,
     QUEUE_DEPTHS,
