@@ -34,6 +34,10 @@ from kvtier.manager import ResidencyManager
 __all__ = ["Lookups"]
 
 
+_NO_ROW_MARKS = 1 << 16
+"""The most keys marked as having found no row, waiting for their next lookup."""
+
+
 @dataclass(slots=True)
 class _Waiting:
     """A key a lookup is waiting on: read or probed since ``since``."""
@@ -89,7 +93,10 @@ class Lookups:
         self._row_wait = min(row_wait_s, self._deadline)
         self._no_row: dict[bytes, float] = {}
         """Keys whose read found no row in ``row_wait_s``, and when: their next lookup
-        is a MISS (oldest first)."""
+        is a MISS (oldest first), however late it comes: vLLM revisits a deferred
+        request seconds apart under load, and that request's wait was for rows."""
+        self._no_row_ttl = max(60.0, 10 * self._deadline)
+        """How long a mark waits for its next lookup (the requests' own memory)."""
         self._clock = clock
         self.count = 0
         """Keys looked up."""
@@ -296,7 +303,11 @@ class Lookups:
                     self._to_read[k] = w.tier
                 else:
                     del self._waiting[k]
-                    self._no_row[k] = now
+                    no_row = self._no_row
+                    no_row.pop(k, None)
+                    no_row[k] = now  # oldest first
+                    if len(no_row) > _NO_ROW_MARKS:
+                        del no_row[next(iter(no_row))]
 
     def issued(self, keys: Sequence[bytes]) -> None:
         """The reads of ``keys`` went to the driver."""
@@ -352,9 +363,9 @@ class Lookups:
     def _had_no_row(self, key: bytes) -> bool:
         """Whether ``key``'s read found no row in time (its next lookup, and only that
         one, is a MISS: the request recomputes it; a later pass tries again);
-        forgets marks older than the deadline (nobody looked the key up again)."""
+        forgets marks nobody came back for (their request is forgotten too)."""
         no_row, now = self._no_row, self._clock()
-        while no_row and now - next(iter(no_row.values())) >= self._deadline:
+        while no_row and now - next(iter(no_row.values())) >= self._no_row_ttl:
             del no_row[next(iter(no_row))]
         return no_row.pop(key, None) is not None
 

@@ -209,6 +209,31 @@ def test_a_lookup_never_waits_for_a_row_it_cannot_get_soon() -> None:
     assert hits == 2
 
 
+def test_a_request_revisited_late_after_its_read_found_no_row_is_a_row_miss() -> None:
+    # vLLM comes back to the request 5 s later (past lookup_deadline_s): its
+    # wait was for rows, so the key is a row miss, not a late tier, and the
+    # request does not wait again for a read queued that moment.
+    clock = Clock(100.0)
+    chain = small_chain(4, clock)
+    busy = [key(n) for n in range(100, 104)]
+    plan = chain.place(busy)
+    assert plan is not None
+    chain.stored(plan.keys, True)
+    carry_out(chain)
+    chain.pin_for_device_load(busy)  # every row held by device copies that go on
+    prefix = [key(n) for n in range(2)]
+    chain.settle(TierChanged(0, added=tuple(prefix)))
+    assert vllm_pass(chain, "r1", prefix) is None
+    for _ in range(4):  # the reads find no row within row_wait_s
+        carry_out(chain)
+        clock.now += STEP_S
+    clock.now += 5.0
+    assert vllm_pass(chain, "r1", prefix) == 0  # recomputed now
+    stats = chain.statistics()
+    assert stats.lookup_deadline_misses == 0
+    assert stats.lookup_row_limit_misses == 1
+
+
 def test_a_promotion_is_held_for_its_request_until_it_loads_it() -> None:
     clock = Clock(100.0)
     chain = small_chain(4, clock)
