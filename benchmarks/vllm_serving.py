@@ -447,11 +447,14 @@ class Server:
         bind: str,
         slow_block_s: float = SLOW_BLOCK_S,
         slow_read_s: float = 0.0,
+        config: tuple[int, dict[str, Any] | None] | None = None,
     ) -> None:
         self.name = name
         self.sizes = sizes
         self.model = str(model)
-        self.engine_blocks, self.extra = server_args(name, sizes, root)
+        # ``config``: engine blocks and connector settings of a configuration
+        # this benchmark does not define (vllm_fleet.py's).
+        self.engine_blocks, self.extra = config or server_args(name, sizes, root)
         self.kvcache_gib = max(1, math.ceil(self.engine_blocks * sizes.block_bytes / GIB))
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
