@@ -42,6 +42,12 @@ theirs, so no copy still writes a row the engine reuses), and the group is
 broken from then on: every later job is refused with the same error. A
 tensor-parallel instance missing a rank cannot serve its model anyway; the
 serving engine restarts the instance (vLLM does the same when a worker dies).
+
+The group validates and routes; its parts are private modules beside it, each
+an object it owns: :mod:`kvtier.workers._registry` (the socket, the handshake,
+each worker's life and its stop), :mod:`kvtier.workers._inflight` (the jobs in
+flight: the pipes, the answers) and :mod:`kvtier.workers._statistics` (the
+counters).
 """
 
 from __future__ import annotations
@@ -53,19 +59,13 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
-import zmq
-import zmq.asyncio
 
 from kvtier.errors import (
-    BusyError,
     ClosedError,
     InvalidArgumentError,
-    KVTierError,
-    LayoutError,
     ProtocolError,
     WorkerError,
     WorkerLostError,
@@ -79,17 +79,10 @@ from kvtier.transfer.device import (
     check_block_ids,
     check_rows,
 )
-from kvtier.workers.jobs import (
-    PIPE_BUF,
-    Hello,
-    JobDone,
-    JobSpec,
-    Notice,
-    Welcome,
-    decode,
-    pack_record,
-    unpack_records,
-)
+from kvtier.workers._inflight import InFlight
+from kvtier.workers._registry import Registry
+from kvtier.workers._statistics import Counts
+from kvtier.workers.jobs import Hello, JobDone, Notice, Welcome, decode
 
 if TYPE_CHECKING:
     from kvtier.region import CPURegion
@@ -97,39 +90,6 @@ if TYPE_CHECKING:
 __all__ = ["WorkerGroup"]
 
 log = logging.getLogger("kvtier.workers")
-
-_STOP_WAIT = 10.0
-"""Seconds aclose waits for the workers' goodbyes."""
-
-
-@dataclass(slots=True, eq=False)
-class _Pending:
-    done: Completion[None]
-    waiting: set[int]
-    store: bool
-    nbytes: int
-    error: WorkerError | None = None
-
-
-@dataclass(slots=True)
-class _Peer:
-    rank: int
-    ident: bytes
-    pid: int
-    pidfd: int | None
-    attached: bool = False
-    pipes: dict[str, int] = field(default_factory=dict)
-    """Write ends of its job pipes by kind, once it said it reads them."""
-
-
-@dataclass(slots=True)
-class _Counts:
-    stores: int = 0
-    loads: int = 0
-    bytes_stored: int = 0
-    bytes_loaded: int = 0
-    failures: int = 0
-    refusals: list[str] = field(default_factory=list)
 
 
 class WorkerGroup(DeviceTransfer):
@@ -167,42 +127,18 @@ class WorkerGroup(DeviceTransfer):
         self._owns_dir = owns_directory
         self._address = f"ipc://{os.path.join(directory, 'jobs')}"
         self._instance = os.urandom(16)
-        done_pipe = os.path.join(directory, "done")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(done_pipe)  # a killed instance's, in a directory given again
-        os.mkfifo(done_pipe, 0o600)
-        # Read and write: the pipe never reports end-of-file when a worker goes.
-        self._done_fd = os.open(done_pipe, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-        self._done_buf = bytearray()
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
+        # Three collaborators: the workers (socket, handshake, life, stop), the jobs in
+        # flight (pipes, answers), and the counters both feed the statistics from.
+        self._workers = Registry(world_size, directory, self._address, self._worker_lost)
+        self._n = Counts()
         try:
-            # Jobs are bounded by the engine's rows: never drop or block a send.
-            self._sock.setsockopt(zmq.SNDHWM, 0)
-            self._sock.setsockopt(zmq.RCVHWM, 0)
-            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.bind(self._address)
+            self._jobs = InFlight(directory, self._workers, self._n)
         except BaseException:
-            self._sock.close(linger=0)
-            self._ctx.term()
-            os.close(self._done_fd)
+            self._workers.close()
             raise
         self._layout: KVLayout | None = None
         self._rows = 0
-        self._peers: dict[bytes, _Peer] = {}
-        self._by_rank: dict[int, _Peer] = {}
-        self._jobs: dict[int, _Pending] = {}
-        self._next_job = 0
         self._reader: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._welcome: Welcome | None = None
-        self._all_attached: asyncio.Future[None] | None = None
-        self._byes: set[int] = set()
-        self._all_gone: asyncio.Future[None] | None = None
-        self._broken: WorkerLostError | None = None
-        self._closed = False
-        self._n = _Counts()
 
     @classmethod
     def bind(cls, world_size: int, *, directory: str | None = None) -> WorkerGroup:
@@ -286,39 +222,39 @@ class WorkerGroup(DeviceTransfer):
         if shared_name is None:  # pragma: no cover - the engine always names it
             raise InvalidArgumentError("the workers need a shared region")
         loop = asyncio.get_running_loop()
-        self._loop = loop
         self._layout = layout
         self._rows = region.rows
-        self._welcome = Welcome(
-            shared_name=shared_name,
-            instance=self._instance.hex(),
-            cpu_bytes_to_use=cpu_bytes_to_use,
-            alignment=region.alignment,
-            world_size=self._world,
-            scheduler_pid=os.getpid(),
-            pipes=self._dir,
+        all_attached = self._workers.begin(
+            loop,
+            layout,
+            Welcome(
+                shared_name=shared_name,
+                instance=self._instance.hex(),
+                cpu_bytes_to_use=cpu_bytes_to_use,
+                alignment=region.alignment,
+                world_size=self._world,
+                scheduler_pid=os.getpid(),
+                pipes=self._dir,
+            ),
         )
-        loop.add_reader(self._done_fd, self._on_pipe)
-        self._all_attached = loop.create_future()
+        self._jobs.start(loop, layout.bytes_per_block)
         self._reader = asyncio.ensure_future(self._read())
         try:
-            await asyncio.wait_for(asyncio.shield(self._all_attached), timeout)
+            await asyncio.wait_for(asyncio.shield(all_attached), timeout)
         except TimeoutError:
-            missing = [r for r in range(self._world) if not self._attached(r)]
-            seen = "; ".join(self._n.refusals[-5:]) or "none"
+            missing = self._workers.missing()
+            seen = "; ".join(self._workers.refusals[-5:]) or "none"
             raise WorkerError(
                 f"ranks {missing} of {self._world} did not register and attach the CPU region "
                 f"within {timeout} s (refused: {seen})",
                 missing[0] if missing else None,
             ) from None
 
-    def _attached(self, rank: int) -> bool:
-        peer = self._by_rank.get(rank)
-        return peer is not None and peer.attached
-
     async def _read(self) -> None:
+        """Route each message of the job socket: answers to the jobs, the rest to the workers."""
+        workers, jobs = self._workers, self._jobs
         while True:
-            frames = await self._sock.recv_multipart(copy=True)
+            frames = await workers.receive()
             ident, body = frames[0], frames[1:]
             try:
                 msg = decode(body)
@@ -326,171 +262,17 @@ class WorkerGroup(DeviceTransfer):
                 log.warning("ignored a message from the job socket: %s", exc)
                 continue
             if isinstance(msg, JobDone):
-                self._on_done(ident, msg)
+                jobs.done(ident, msg)
             elif isinstance(msg, Hello):
-                self._on_hello(ident, msg)
+                workers.hello(ident, msg)
             elif isinstance(msg, Notice):
-                self._on_notice(ident, msg)
+                workers.notice(ident, msg)
             else:
                 log.warning("ignored a %s from a worker", type(msg).__name__)
 
-    def _refuse(self, ident: bytes, exc: KVTierError) -> None:
-        self._n.refusals.append(f"{type(exc).__name__}: {exc}")
-        log.warning("refused a worker: %s", exc)
-        self._send(ident, Notice("refused", type(exc).__name__, str(exc)).encode())
-
-    def _on_hello(self, ident: bytes, hello: Hello) -> None:
-        layout, welcome = self._layout, self._welcome
-        assert layout is not None
-        assert welcome is not None
-        rank = hello.rank
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self._world:
-            self._refuse(
-                ident, InvalidArgumentError(f"rank {rank!r} is outside [0, {self._world})")
-            )
-            return
-        if hello.namespace != layout.namespace.hex():
-            self._refuse(ident, LayoutError(_layout_diff(rank, layout, hello.layout)))
-            return
-        if rank in self._by_rank or ident in self._peers:
-            self._refuse(
-                ident,
-                BusyError(
-                    f"rank {rank} is already held by the worker of pid "
-                    f"{self._by_rank[rank].pid if rank in self._by_rank else '?'}"
-                ),
-            )
-            return
-        if self._closed or self._broken is not None:
-            self._refuse(ident, BusyError("the worker group is closing or broken"))
-            return
-        peer = _Peer(rank, ident, hello.pid, None)
-        self._peers[ident] = peer
-        self._by_rank[rank] = peer
-        self._watch(peer)
-        if self._by_rank.get(rank) is peer:  # not already found dead
-            self._send(ident, welcome.encode())
-
-    def _on_notice(self, ident: bytes, note: Notice) -> None:
-        peer = self._peers.get(ident)
-        if peer is None:
-            return
-        if note.op == "attached":
-            peer.attached = True
-            if note.message == "pipes":
-                self._open_pipes(peer)
-            done = self._all_attached
-            if (
-                done is not None
-                and not done.done()
-                and all(self._attached(r) for r in range(self._world))
-            ):
-                done.set_result(None)
-        elif note.op == "failed":
-            # Its region attach failed: it holds nothing; let another take the rank.
-            self._n.refusals.append(f"rank {peer.rank}: {note.error}: {note.message}")
-            self._forget(peer)
-        elif note.op == "bye" and not self._closed:
-            # It stopped unasked (Worker.aclose): as good as dead to this group.
-            self._lost(peer, "stopped serving")
-        elif note.op == "bye":
-            self._byes.add(peer.rank)
-            self._forget(peer)
-            self._check_all_gone()
-
-    def _open_pipes(self, peer: _Peer) -> None:
-        """Open the rank's job pipes (the worker made them, and reads them)."""
-        for kind in ("store", "load"):
-            path = os.path.join(self._dir, f"{peer.rank}.{kind}")
-            try:
-                # Read-write, though only written: a pipe whose worker died still has
-                # a reader then, so a write never raises SIGPIPE (which kills a host
-                # process that restored its default); the worker's pidfd tells its death.
-                peer.pipes[kind] = os.open(
-                    path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-                )
-            except OSError as exc:  # its jobs take the socket
-                log.warning("rank %d: job pipe %s: %s; jobs go on the socket", peer.rank, path, exc)
-
-    def _on_pipe(self) -> None:
-        """Read every answer waiting in the ``done`` pipe."""
-        while True:
-            try:
-                chunk = os.read(self._done_fd, 1 << 16)
-            except BlockingIOError:
-                break
-            self._done_buf += chunk
-            if len(chunk) < 1 << 16:
-                break
-        try:
-            records = unpack_records(self._done_buf)
-        except ProtocolError as exc:
-            log.warning("dropped the done pipe's contents: %s", exc)
-            self._done_buf.clear()
-            return
-        for rank, frames in records:
-            peer = self._by_rank.get(rank)
-            try:
-                msg = decode(frames)
-            except ProtocolError as exc:
-                log.warning("ignored a record of the done pipe: %s", exc)
-                continue
-            if peer is not None and isinstance(msg, JobDone):
-                self._on_done(peer.ident, msg)
-
-    def _watch(self, peer: _Peer) -> None:
-        """Learn of the worker's exit from a pidfd the loop watches (no polling)."""
-        loop = self._loop
-        assert loop is not None
-        try:
-            fd = os.pidfd_open(peer.pid)
-        except ProcessLookupError:
-            self._lost(peer, "exited before it was accepted")
-            return
-        except OSError as exc:  # pragma: no cover - a kernel without pidfd (before 5.3)
-            log.warning(
-                "cannot watch the worker of rank %d (%s): its death goes unseen", peer.rank, exc
-            )
-            return
-        peer.pidfd = fd
-        loop.add_reader(fd, self._lost, peer, "exited")
-
-    def _unwatch(self, peer: _Peer) -> None:
-        fd, peer.pidfd = peer.pidfd, None
-        if fd is not None:
-            if self._loop is not None:
-                self._loop.remove_reader(fd)
-            os.close(fd)
-
-    def _forget(self, peer: _Peer) -> None:
-        self._unwatch(peer)
-        for fd in peer.pipes.values():
-            os.close(fd)
-        peer.pipes.clear()
-        self._peers.pop(peer.ident, None)
-        if self._by_rank.get(peer.rank) is peer:
-            del self._by_rank[peer.rank]
-
-    def _lost(self, peer: _Peer, how: str) -> None:
-        """Worker of ``peer`` is gone: fail its jobs; after start, the group is broken."""
-        self._forget(peer)
-        started = self._all_attached is not None and self._all_attached.done()
-        err = WorkerLostError(
-            f"the worker of rank {peer.rank} (pid {peer.pid}) {how}", peer.rank, None
-        )
-        if not started:
-            self._n.refusals.append(str(err))
-            log.warning("%s during registration; waiting for another", err)
-            return
-        if self._broken is None:
-            self._broken = err
-            log.error("%s: the worker group refuses new jobs", err)
-        for job_id, p in list(self._jobs.items()):
-            if peer.rank in p.waiting:
-                p.waiting.discard(peer.rank)
-                p.error = err
-                self._maybe_finish(job_id, p)
-        self._check_all_gone()
+    def _worker_lost(self, rank: int, err: WorkerLostError) -> None:
+        # The registry knows the rank is gone; only the jobs know what it still owed.
+        self._jobs.fail_rank(rank, err)
 
     # -- jobs ---------------------------------------------------------------------------
 
@@ -501,7 +283,7 @@ class WorkerGroup(DeviceTransfer):
         r = check_rows(rows, self._rows, unique=True)
         bpc = layout.blocks_per_chunk
         ids = check_block_ids(layout, device_block_ids, r.size * bpc, unique=False)
-        return self._submit(JobSpec(self._new_id(), "store", r, ids, 0), r.size * bpc)
+        return self._jobs.submit("store", r, ids, 0, r.size * bpc)
 
     def load(
         self, rows: Sequence[int] | np.ndarray, device_block_ids: BlockIds, skip: int = 0
@@ -516,108 +298,25 @@ class WorkerGroup(DeviceTransfer):
             raise InvalidArgumentError(f"skip must be in [0, {bpc}) with rows, got {skip}")
         n = r.size * bpc - skip
         ids = check_block_ids(layout, device_block_ids, n, unique=True)
-        return self._submit(JobSpec(self._new_id(), "load", r, ids, skip), n)
+        return self._jobs.submit("load", r, ids, skip, n)
 
     def _usable(self) -> KVLayout:
-        if self._closed:
+        workers = self._workers
+        if workers.closing:
             raise ClosedError("the worker group is closed")
-        if self._broken is not None:
+        if workers.broken is not None:
             raise WorkerLostError(
-                f"the worker group is broken: {self._broken}", self._broken.rank, None
+                f"the worker group is broken: {workers.broken}", workers.broken.rank, None
             )
-        if self._layout is None or not (
-            self._all_attached is not None and self._all_attached.done()
-        ):
+        if self._layout is None or not workers.started:
             raise ClosedError("the worker group has not started (Engine.open starts it)")
         return self._layout
-
-    def _new_id(self) -> int:
-        self._next_job += 1
-        return self._next_job
-
-    def _submit(self, spec: JobSpec, blocks: int) -> Completion[None]:
-        layout = self._layout
-        assert layout is not None
-        done: Completion[None] = Completion()
-        if blocks == 0:
-            done.set_result(None)
-            return done
-        store = spec.kind == "store"
-        pending = _Pending(done, set(self._by_rank), store, blocks * layout.bytes_per_block)
-        self._jobs[spec.job] = pending
-        frames = spec.encode()
-        record = pack_record(frames)
-        for peer in list(self._by_rank.values()):
-            fd = peer.pipes.get(spec.kind)
-            if fd is not None and len(record) <= PIPE_BUF:
-                try:
-                    os.write(fd, record)  # whole or not at all (at most PIPE_BUF)
-                    continue
-                except BlockingIOError:
-                    pass  # full (its worker stopped reading: dead?): the socket
-            self._send(peer.ident, frames)
-        return done
-
-    def _send(self, ident: bytes, frames: list[bytes]) -> None:
-        try:
-            self._sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            # Unroutable: its connection is gone (its pidfd will say so too).
-            peer = self._peers.get(ident)
-            if peer is not None:
-                self._lost(peer, f"cannot be reached ({exc})")
-
-    def _on_done(self, ident: bytes, msg: JobDone) -> None:
-        peer = self._peers.get(ident)
-        pending = self._jobs.get(msg.job)
-        if peer is None or pending is None or peer.rank not in pending.waiting:
-            return
-        pending.waiting.discard(peer.rank)
-        if msg.error is not None and pending.error is None:
-            pending.error = WorkerError(
-                f"rank {peer.rank}: {pending_kind(pending)} job {msg.job} failed: "
-                f"{msg.error}: {msg.message}",
-                peer.rank,
-                msg.error,
-            )
-        self._maybe_finish(msg.job, pending)
-
-    def _maybe_finish(self, job_id: int, p: _Pending) -> None:
-        if p.waiting:
-            return
-        del self._jobs[job_id]
-        if p.error is not None:
-            self._n.failures += 1
-            p.done.set_exception(p.error)
-        else:
-            if p.store:
-                self._n.stores += 1
-                self._n.bytes_stored += p.nbytes
-            else:
-                self._n.loads += 1
-                self._n.bytes_loaded += p.nbytes
-            p.done.set_result(None)
 
     # -- statistics and closing ---------------------------------------------------------
 
     def statistics(self) -> TransferStatistics:
         """Counters over the group: bytes are one rank's slices, summed over ranks."""
-        n = self._n
-        return TransferStatistics(
-            backend="workers",
-            stores=n.stores,
-            loads=n.loads,
-            bytes_stored=n.bytes_stored * self._world,
-            bytes_loaded=n.bytes_loaded * self._world,
-            copies_issued=0,
-            failures=n.failures,
-            in_flight=len(self._jobs),
-        )
-
-    def _check_all_gone(self) -> None:
-        gone = self._all_gone
-        if gone is not None and not gone.done() and not self._by_rank:
-            gone.set_result(None)
+        return self._n.snapshot(self._world, len(self._jobs))
 
     async def aclose(self) -> None:
         """Wait for the jobs in flight, stop every worker, close the socket; idempotent.
@@ -629,57 +328,21 @@ class WorkerGroup(DeviceTransfer):
         says goodbye) and waited for up to 10 s; a worker that never answers
         is left to notice the scheduler's exit.
         """
-        if self._closed and self._reader is None:
+        workers = self._workers
+        if workers.closing and self._reader is None:
             return
-        self._closed = True
+        workers.closing = True
         try:
-            if self._jobs:
-                await asyncio.gather(
-                    *(_settle(p.done) for p in list(self._jobs.values())),
-                )
-            if self._reader is not None and self._by_rank:
-                self._all_gone = asyncio.get_running_loop().create_future()
-                for peer in list(self._by_rank.values()):
-                    self._send(peer.ident, Notice("stop").encode())
-                self._check_all_gone()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(self._all_gone), _STOP_WAIT)
+            await self._jobs.settle()
+            if self._reader is not None:
+                await workers.stop()
         finally:
             reader, self._reader = self._reader, None
             if reader is not None:
                 reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await reader
-            for peer in list(self._peers.values()):
-                self._forget(peer)
-            if self._loop is not None:
-                self._loop.remove_reader(self._done_fd)
-            os.close(self._done_fd)
-            self._sock.close(linger=0)
-            self._ctx.term()
+            self._jobs.close()
+            workers.close()
             if self._owns_dir:
                 shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def pending_kind(p: _Pending) -> str:
-    return "store" if p.store else "load"
-
-
-async def _settle(c: Completion[None]) -> None:
-    with contextlib.suppress(Exception):
-        await c
-
-
-def _layout_diff(rank: int, mine: KVLayout, theirs: Any) -> str:
-    """Name what differs between the scheduler's layout and a worker's description."""
-    want = mine.describe()
-    got = theirs if isinstance(theirs, dict) else {}
-    diffs = [
-        f"{k}: scheduler has {want.get(k)!r}, worker has {got.get(k)!r}"
-        for k in sorted((set(want) | set(got)) - {"tp_rank"})
-        if want.get(k) != got.get(k)
-    ]
-    return (
-        f"the worker of rank {rank} holds another layout than the scheduler "
-        f"({'; '.join(diffs) or 'namespace differs'})"
-    )
