@@ -25,9 +25,10 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from kvtier.errors import BlockNotFoundError, BusyError, InvalidArgumentError, ProtocolError
+from kvtier.manager._arguments import check_construction
 from kvtier.manager.events import BlockRemoved, BlockStored, ManagerEvent
 from kvtier.manager.plans import LoadPlan, ManagerStatistics, StorePlan
-from kvtier.manager.residency import ResidencyManager, check_construction, register_variant
+from kvtier.manager.residency import ResidencyManager, register_variant
 
 __all__ = ["NativePolicy", "NativeResidencyManager", "native_available", "native_wanted"]
 
@@ -196,7 +197,7 @@ class NativeResidencyManager(ResidencyManager):
     def pins(self, key: bytes) -> int:
         return self._core.pins(key)
 
-    # -- the protocol (docstrings: ResidencyManager) -------------------------------------
+    # -- the protocol (docstrings: ResidencyContract) ------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         if type(keys) is not list and type(keys) is not tuple:

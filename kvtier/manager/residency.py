@@ -24,6 +24,12 @@ This module is the pure-Python manager. For the built-in policies,
 one and registers itself with :func:`register_variant`); this one serves custom
 policies, ``native=False``, and installs without the extension.
 
+What each call promises is documented once, in
+:class:`kvtier.manager._contract.ResidencyContract`, which both managers
+implement and whose docstrings they inherit. The argument checks live in
+:mod:`kvtier.manager._arguments`, the slow paths of removed-but-busy blocks in
+:mod:`kvtier.manager._removed`; this module keeps the state and the fast paths.
+
 How it stays fast and small
 ---------------------------
 Each state is one ``dict`` from key to slot: ready blocks (pinned or not), blocks
@@ -42,14 +48,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import filterfalse, repeat
 
-from kvtier.errors import BlockNotFoundError, BusyError, InvalidArgumentError, ProtocolError
+from kvtier.errors import BlockNotFoundError, BusyError, ProtocolError
+from kvtier.manager._arguments import check_construction, check_keys, make_policy
+from kvtier.manager._contract import ResidencyContract
+from kvtier.manager._removed import complete_removed_loads, complete_removed_stores, park
 from kvtier.manager.events import BlockRemoved, BlockStored, ManagerEvent
 from kvtier.manager.plans import LoadPlan, ManagerStatistics, StorePlan
-from kvtier.manager.policies import ARCPolicy, CachePolicy, LRUPolicy
+from kvtier.manager.policies import CachePolicy
 
 __all__ = ["ResidencyManager", "register_variant"]
 
-_BYTES_ONLY = frozenset({bytes})
 _EMPTY_PLAN = StorePlan((), (), (), ())
 _ONE = frozenset({1})
 
@@ -57,42 +65,6 @@ _ONE = frozenset({1})
 # next resize (CPython's GROWTH_RATE): 60 to 120 bytes an entry. Past this many
 # bytes an entry, the index is copied into a table sized for its entries.
 _INDEX_BYTES_PER_ENTRY = 96
-
-
-def _check(keys: Sequence[bytes], what: str, *, distinct: bool = True) -> None:
-    """Raise unless ``keys`` is a sequence of bytes keys, distinct unless told otherwise.
-
-    Two passes in C: the type of every key (exactly ``bytes``: a ``memoryview``
-    hashes and compares equal to the bytes it shows, so only the type keeps one
-    out of the index and out of plans), then ``set``, which counts duplicates.
-    A caller that detects duplicates on its own passes ``distinct=False`` and
-    skips the ``set``.
-    """
-    if (
-        type(keys) is not list
-        and type(keys) is not tuple
-        and (
-            isinstance(keys, (bytes, bytearray, memoryview, str)) or not isinstance(keys, Sequence)
-        )
-    ):
-        raise InvalidArgumentError(f"{what}: keys must be a sequence of bytes, got {keys!r}")
-    if not _BYTES_ONLY.issuperset(map(type, keys)):
-        bad = next(k for k in keys if type(k) is not bytes)
-        raise InvalidArgumentError(f"{what}: every key must be bytes, got {bad!r}")
-    if distinct and len(set(keys)) != len(keys):
-        raise InvalidArgumentError(f"{what}: duplicate keys in one call")
-
-
-def check_construction(capacity_slots: object, tier: object) -> None:
-    """Raise InvalidArgumentError unless the capacity is a positive int and the tier a str."""
-    if (
-        isinstance(capacity_slots, bool)
-        or not isinstance(capacity_slots, int)
-        or capacity_slots < 1
-    ):
-        raise InvalidArgumentError(f"capacity_slots must be a positive int, got {capacity_slots!r}")
-    if not isinstance(tier, str):
-        raise InvalidArgumentError(f"tier must be a str, got {tier!r}")
 
 
 _VARIANTS: list[Callable[[object, bool | None], type[ResidencyManager] | None]] = []
@@ -115,19 +87,7 @@ def register_variant(
         _VARIANTS.append(choose)
 
 
-def _make_policy(policy: str | CachePolicy) -> CachePolicy:
-    if isinstance(policy, CachePolicy):
-        return policy
-    if policy == "lru":
-        return LRUPolicy()
-    if policy == "arc":
-        return ARCPolicy()
-    raise InvalidArgumentError(
-        f"policy must be 'lru', 'arc' or a CachePolicy instance, got {policy!r}"
-    )
-
-
-class ResidencyManager:
+class ResidencyManager(ResidencyContract):
     """Residency of the blocks of one tier: the two-phase store / load protocol.
 
     Parameters
@@ -221,7 +181,7 @@ class ResidencyManager:
         self._capacity = capacity_slots
         self._tier = tier
         self._events: list[ManagerEvent] | None = [] if enable_events else None
-        self._policy = _make_policy(policy)
+        self._policy = make_policy(policy)
         self._pins: dict[int, int] = {}
         """Pin count per pinned slot; unpinned slots are absent (no memory per block)."""
         self._keys: list[bytes | None] = [None] * capacity_slots
@@ -296,34 +256,10 @@ class ResidencyManager:
             s = self._removed_pinned.get(key)
         return 0 if s is None else self._pins.get(s, 0)
 
-    # -- the protocol --------------------------------------------------------------------
+    # -- the protocol (docstrings: ResidencyContract) -------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """Length of the longest prefix of ``keys`` that is resident and ready.
-
-        Parameters
-        ----------
-        keys
-            Block keys of one sequence, in chain order.
-
-        Returns
-        -------
-        int
-            ``n`` such that ``keys[:n]`` can be loaded now.
-
-        Raises
-        ------
-        InvalidArgumentError
-            For keys that are not bytes, or a key given twice.
-
-        Notes
-        -----
-        A block being written is not a hit. Counts ``n`` hits and
-        ``len(keys) - n`` misses in :meth:`statistics`; changes nothing else
-        (not even recency: call :meth:`touch` for that). The result may be stale
-        by the next call that evicts: pin with :meth:`prepare_load` before use.
-        """
-        _check(keys, "lookup")
+        check_keys(keys, "lookup")
         index = self._index
         n = 0
         for k in keys:
@@ -335,37 +271,7 @@ class ResidencyManager:
         return n
 
     def prepare_store(self, keys: Sequence[bytes]) -> StorePlan | None:
-        """Reserve slots for the keys not yet resident, evicting as needed.
-
-        Parameters
-        ----------
-        keys
-            Keys of the blocks to store. Keys already resident in any state are
-            skipped (their data is, or is about to be, there).
-
-        Returns
-        -------
-        StorePlan or None
-            The keys to write and their slots (in the order of ``keys``), and
-            the blocks evicted to make room with the slots they held; an empty
-            plan when every key is resident. None when the new blocks cannot
-            all be placed: then nothing changed.
-
-        Raises
-        ------
-        InvalidArgumentError
-            For keys that are not bytes, or a key given twice.
-
-        Notes
-        -----
-        The new blocks are *being written*: not hits, not loadable, not
-        evictable, until :meth:`complete_store`. Eviction takes just enough
-        ready, unpinned blocks, as the policy orders them, and never one of
-        ``keys``. Evicted blocks are gone on return (a :class:`BlockRemoved`
-        event records them); a write-back tier copies each victim's row out of
-        ``evicted_slots`` before it writes the new block into that slot.
-        """
-        _check(keys, "prepare_store")
+        check_keys(keys, "prepare_store")
         index, writing = self._index, self._writing
         new = list(filterfalse(index.__contains__, keys))
         if writing or self._removed_writing or self._removed_pinned:
@@ -422,39 +328,15 @@ class ResidencyManager:
         return StorePlan(tuple(new), tuple(slots), tuple(evicted), tuple(victims))
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
-        """Finish stores: the blocks become ready, or (on failure) are forgotten.
-
-        Parameters
-        ----------
-        keys
-            Keys from one or more :class:`StorePlan` s, each completed once.
-        success
-            Whether the data reached the slots. On failure the blocks are freed
-            as if never stored.
-
-        Raises
-        ------
-        ProtocolError
-            When a key is not being written (never prepared, or completed
-            already); nothing changes.
-        InvalidArgumentError
-            For keys that are not bytes, or a key given twice.
-
-        Notes
-        -----
-        Ready blocks enter the policy as most recently used, the first key most
-        recent of all. A block removed (:meth:`remove`) while being written is
-        freed here whatever ``success`` says and never becomes ready.
-        """
         # Duplicates are found below: the second pop of a key misses.
-        _check(keys, "complete_store", distinct=False)
+        check_keys(keys, "complete_store", distinct=False)
         writing = self._writing
         slots: list[int] = list(map(writing.pop, keys, repeat(-1)))
         if -1 in slots:
             # Put back what was taken, then sort out duplicates, removed or unknown keys.
             writing.update((k, s) for k, s in zip(keys, slots, strict=True) if s >= 0)
-            _check(keys, "complete_store")
-            keys = self._complete_removed_stores(keys)
+            check_keys(keys, "complete_store")
+            keys = complete_removed_stores(keys, writing, self._removed_writing, self._free)
             slots = list(map(writing.pop, keys))
         if not success:
             self._policy.discarded(keys, slots)
@@ -468,16 +350,6 @@ class ResidencyManager:
         if len(self._index) > 4096:
             self._check_index()
 
-    def _complete_removed_stores(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Free the removed blocks among ``keys``; return the others (all being written)."""
-        writing, removed = self._writing, self._removed_writing
-        for k in keys:
-            if k not in writing and k not in removed:
-                raise ProtocolError(f"complete_store: block {k!r} is not being written")
-        gone = [k for k in keys if k in removed]
-        self._free.extend(removed.pop(k) for k in gone)
-        return [k for k in keys if k in writing]
-
     def _check_index(self) -> None:
         size = sys.getsizeof(self._index)
         if size > self._index_limit:
@@ -488,34 +360,7 @@ class ResidencyManager:
             self._index_limit = size
 
     def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
-        """Pin ready blocks for reading and return their slots.
-
-        Parameters
-        ----------
-        keys
-            Keys of resident, ready blocks.
-
-        Returns
-        -------
-        LoadPlan
-            The keys and their slots, in the order of ``keys``.
-
-        Raises
-        ------
-        BlockNotFoundError
-            When a key is not resident, or not ready; nothing is pinned.
-        InvalidArgumentError
-            For keys that are not bytes, or a key given twice.
-
-        Notes
-        -----
-        Each call adds one pin per block; a pinned block is not evicted and its
-        slot not reused until as many :meth:`complete_load` calls released it.
-        Pinning is also how a tier holds a block still while it copies it
-        elsewhere (a CPU row being written to the file tier). Recency is not
-        changed: call :meth:`touch`.
-        """
-        _check(keys, "prepare_load")
+        check_keys(keys, "prepare_load")
         index = self._index
         try:
             slots = list(map(index.__getitem__, keys))
@@ -533,27 +378,14 @@ class ResidencyManager:
         return LoadPlan(tuple(keys), tuple(slots))
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
-        """Release one pin of each block (its load finished, or failed).
-
-        Raises
-        ------
-        ProtocolError
-            When a key is not pinned (more completions than prepares); nothing
-            changes.
-        InvalidArgumentError
-            For keys that are not bytes, or a key given twice.
-
-        Notes
-        -----
-        A block whose last pin goes becomes evictable again; a block removed
-        while pinned is freed now.
-        """
-        _check(keys, "complete_load")
+        check_keys(keys, "complete_load")
         pins = self._pins
         try:
             slots = list(map(self._index.__getitem__, keys))
         except KeyError:
-            self._complete_removed_loads(keys)
+            complete_removed_loads(
+                keys, self._index, self._removed_pinned, pins, self._keys, self._free
+            )
             return
         try:
             counts = set(map(pins.__getitem__, slots))
@@ -570,46 +402,8 @@ class ResidencyManager:
             else:
                 del pins[s]
 
-    def _complete_removed_loads(self, keys: Sequence[bytes]) -> None:
-        """complete_load where some keys were removed while pinned (the slow path)."""
-        index, removed, pins = self._index, self._removed_pinned, self._pins
-        slots: list[int] = []
-        for k in keys:
-            s = index.get(k)
-            if s is None:
-                s = removed.get(k)
-            if s is None or s not in pins:
-                raise ProtocolError(f"complete_load: block {k!r} is not pinned")
-            slots.append(s)
-        for k, s in zip(keys, slots, strict=True):
-            c = pins[s] - 1
-            if c:
-                pins[s] = c
-                continue
-            del pins[s]
-            if k in removed:
-                del removed[k]
-                self._keys[s] = None
-                self._free.append(s)
-
     def touch(self, keys: Sequence[bytes]) -> None:
-        """Mark blocks used: the first key ends up the most recently used.
-
-        Raises
-        ------
-        InvalidArgumentError
-            For keys that are not bytes, or a key given twice.
-
-        Notes
-        -----
-        Keys that are not resident are ignored, and so are blocks being
-        written (they enter the order when they become ready). Prefixes should
-        outlive their tails, hence the order: ``touch(keys)`` leaves
-        ``keys[0]`` the last to go. Under ARC a touch is a second use: a block
-        in T1 moves to T2. A block that was just stored has had its first use;
-        touch the blocks a request *hit*.
-        """
-        _check(keys, "touch")
+        check_keys(keys, "touch")
         index = self._index
         try:
             slots = list(map(index.__getitem__, keys))
@@ -619,50 +413,15 @@ class ResidencyManager:
             self._policy.touched(slots)
 
     def remove(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Forget blocks known to be bad (failed verification); absent keys are ignored.
-
-        Returns
-        -------
-        list[bytes]
-            The keys this call removed, in the order of ``keys``.
-
-        Raises
-        ------
-        InvalidArgumentError
-            For keys that are not bytes, or a key given twice.
-
-        Notes
-        -----
-        A removed block is at once no hit and not loadable, and a
-        :class:`BlockRemoved` event records it if it was ready. Its slot stays
-        taken while the hardware may still use it: a block pinned by loads is
-        freed by its last :meth:`complete_load`, a block being written by its
-        :meth:`complete_store` (which then never makes it ready). So a load that
-        fails verification may call ``complete_load`` and ``remove`` in either
-        order. Until the slot is freed the key stays resident (``key in
-        manager``) and :meth:`prepare_store` skips it.
-        """
-        _check(keys, "remove")
-        index, writing, pins = self._index, self._writing, self._pins
-        gone: list[bytes] = []
-        slots: list[int] = []
-        now: list[int] = []
-        announced: list[bytes] = []
-        for k in keys:
-            s = index.pop(k, None)
-            if s is not None:
-                announced.append(k)
-                if s in pins:
-                    self._removed_pinned[k] = s
-                else:
-                    now.append(s)
-            else:
-                s = writing.pop(k, None)
-                if s is None:
-                    continue  # absent, or removed already
-                self._removed_writing[k] = s
-            gone.append(k)
-            slots.append(s)
+        check_keys(keys, "remove")
+        gone, slots, now, announced = park(
+            keys,
+            self._index,
+            self._writing,
+            self._pins,
+            self._removed_writing,
+            self._removed_pinned,
+        )
         if gone:
             self._policy.discarded(gone, slots)
             slot_keys = self._keys
@@ -674,18 +433,6 @@ class ResidencyManager:
         return gone
 
     def reset(self) -> None:
-        """Forget every block and zero the counters.
-
-        Raises
-        ------
-        BusyError
-            While a block is pinned or being written: its slot is in the
-            hardware's hands, and forgetting it would let a new block reuse it.
-
-        Notes
-        -----
-        A :class:`BlockRemoved` event records the ready blocks, in slot order.
-        """
         if self._pins or self._writing or self._removed_writing:
             raise BusyError("reset: blocks are pinned or being written; complete them first")
         ready = tuple(sorted(self._index, key=self._index.__getitem__))  # slot order, as native
