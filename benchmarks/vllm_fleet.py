@@ -71,8 +71,6 @@ if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
 
 from vllm_serving import (  # noqa: E402 - the serving benchmark's server, users and figures
-    BLOCK,
-    SHAPES,
     CpuSampler,
     Server,
     Sizes,
@@ -85,6 +83,7 @@ from vllm_serving import (  # noqa: E402 - the serving benchmark's server, users
     pct,
     scrape,
 )
+from vllm_ttft import BLOCK, SHAPES  # noqa: E402 - the TTFT benchmark's model
 
 CONFIGS = ("no-offload", "private", "cluster", "cluster-frozen", "shared-host")
 DEADLINE_S = 2.0
