@@ -13,10 +13,10 @@ two rules per request, not per key:
   last pass waited on was delivered (read into CPU rows, or stored from the
   device) before its next pass, the time between the passes was the engine's
   (vLLM revisits a deferred request seconds apart under load), and its wait
-  starts afresh, once per request. The next time its delivered blocks are
-  gone before it comes back, the CPU tier is too small to keep them for it:
-  that pass's waits answer MISS at once, counted with the row limit's misses
-  (``row_limit_misses``), not as a late tier.
+  starts afresh. A block delivered to it twice and gone again before it came
+  back is one the CPU tier is too small to keep for it: a wait on it answers
+  MISS at once, counted with the row limit's misses (``row_limit_misses``),
+  not as a late tier.
 * **Its prefix fits the CPU tier.** Only as many leading keys as the CPU tier
   has rows can be loaded at once (every load is staged through a row): a key
   past that is MISS, counted in ``row_limit_misses``.
@@ -56,10 +56,10 @@ class _Request:
     """When its current pass began."""
     waited: list[bytes] = field(default_factory=list)
     """Keys of its current pass that answered RETRY or PENDING."""
-    renewed: bool = False
-    """Its wait has started afresh once already (see the module docstring)."""
-    short: bool = False
-    """Its current pass found its delivered blocks evicted a second time."""
+    got: set[bytes] = field(default_factory=set)
+    """Keys it waited on and had delivered since it came (see the module docstring)."""
+    again: frozenset[bytes] = frozenset()
+    """Keys delivered to it twice: a wait on one in its current pass is a row miss."""
 
 
 class Deadlines:
@@ -111,14 +111,15 @@ class Deadlines:
         req.last = now
         seen = req.seen
         if key in seen:  # a new pass over its prefix
-            short = False
+            again: frozenset[bytes] = frozenset()
             if not req.deferred:
                 req.since = None  # the last pass was answered: a new wait
             elif self._all_delivered(req):
                 req.since = None  # the engine's gap between passes, not kvtier's wait
-                short = req.renewed  # evicted again before it came back: rows short
-                req.renewed = True
-            req.short = short
+                got = req.got
+                again = frozenset(k for k in req.waited if k in got)  # delivered twice
+                got.update(req.waited)
+            req.again = again
             seen.clear()
             req.from_lower.clear()
             req.waited.clear()
@@ -136,7 +137,7 @@ class Deadlines:
         """The lookup of ``key`` just entered for ``req`` answers RETRY or PENDING:
         whether it may (False past the request's deadline: a MISS, counted)."""
         now = req.last  # when the lookup entered
-        if req.short:
+        if key in req.again:  # its delivery was evicted twice before it came back
             self.row_limited += 1
             return False
         if req.since is None:

@@ -131,3 +131,19 @@ def test_late_misses_are_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     logged = [r for r in caplog.records if "deadline_misses" in r.message]
     assert len(logged) == 1
     assert "file tier" in logged[0].message
+
+
+def test_waits_on_new_keys_after_deliveries_are_waits_not_row_misses() -> None:
+    # A front that asks key after key, each until it is delivered (every ask of
+    # the same key a new pass): no block is delivered twice, so no wait is cut.
+    clock = Clock(50.0)
+    table = Deadlines(DEADLINE_S, rows=8, clock=clock)
+    for n in range(4):
+        req = table.enter("r", key(n))
+        assert req is not None
+        assert table.wait(req, key(n))
+        clock.now += 0.05
+        table.delivered([key(n)])
+        req = table.enter("r", key(n))  # found now: a HIT, no wait
+        assert req is not None
+    assert (table.late, table.row_limited) == (0, 0)
