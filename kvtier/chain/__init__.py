@@ -8,6 +8,7 @@ core owns::
                        │  takes intents, settles outcomes
                        ├── Chain (_core): the CPU tier's residency, the cascade
                        │     ├── Reads (_reads): reads in flight, falling through
+                       │     ├── Writes (_writes): write-through, write-back, given writes
                        │     ├── Lookups (_lookups): the fronts' lookups and their waits
                        │     ├── LoadDecision (_decision): load or recompute
                        │     ├── Deadlines (_deadlines): per-request deadlines, row limit

@@ -46,7 +46,8 @@ What it decides:
 The chain holds the CPU tier's residency, places rows, and issues and
 settles the reads and writes; its parts are objects it owns, each in a module
 of its own: the reads in flight and their fall-through
-(:class:`~kvtier.chain._reads.Reads`), the fronts' lookups and the waits they start
+(:class:`~kvtier.chain._reads.Reads`), the writes and the rows they pin
+(:class:`~kvtier.chain._writes.Writes`), the fronts' lookups and the waits they start
 (:class:`~kvtier.chain._lookups.Lookups`), whether a lower tier's block is
 worth loading at all (:class:`~kvtier.chain._decision.LoadDecision`), the
 per-request deadlines and row limit (:class:`~kvtier.chain._deadlines.Deadlines`),
@@ -60,7 +61,7 @@ a sequence number (``seq``), and its outcome names the intent.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from kvtier.chain._deadlines import Deadlines
@@ -81,6 +82,7 @@ from kvtier.chain._messages import (
 from kvtier.chain._reads import Reads
 from kvtier.chain._statistics import ChainStatistics, TierCounts
 from kvtier.chain._write_back import WriteBack
+from kvtier.chain._writes import Writes
 from kvtier.manager import ResidencyManager, StorePlan
 
 __all__ = ["Chain"]
@@ -187,7 +189,6 @@ class Chain:
         self._clock = clock
         self._intents: list[Intent] = []
         self._seq = 0
-        self._write_pins: dict[bytes, int] = {}
         self._reads = Reads(
             cpu,
             self._lower,
@@ -200,6 +201,9 @@ class Chain:
             hold_s=min(hold_s, lookup_deadline_s),
             keep_s=keep_s,
             clock=clock,
+        )
+        self._writes = Writes(
+            cpu, self._lower, self._write_back, self._reads.issue, self._intents, self._next
         )
         self._refusals = 0
         # What the fronts ask, on their hot paths: answered by the residency and
@@ -285,7 +289,7 @@ class Chain:
             self._lookups.delivered(keys)  # a request's PENDING wait on them ended
             self._cpu_counts.written_blocks += len(keys)
             if write_down:
-                self._write_down(keys, range(len(self._lower)), store=True)
+                self._writes.down(keys, range(len(self._lower)), store=True)
 
     def reset(self) -> None:
         """Forget every block of the CPU tier (vLLM's ``reset_cache``); the blocks held
@@ -332,10 +336,7 @@ class Chain:
         plan = self._place(todo)
         if plan is None:
             return []
-        reads = self._reads.make(plan.keys, plan.slots, lower_of)
-        for read in reads:
-            self._reads.issue(read)
-        return reads
+        return self._reads.start(plan.keys, plan.slots, lower_of)
 
     def follow_ups(self, read: Read) -> tuple[Read, ...]:
         """The reads that carry on ``read``'s undelivered blocks from lower tiers.
@@ -365,24 +366,7 @@ class Chain:
         once too: that CPU tier evicts without telling the chain. Empty when
         every tier holds every key already.
         """
-        writes = []
-        for i, tier in enumerate(self._lower):
-            if not tier.spec.takes_stores:
-                continue
-            known = tier.known
-            todo = [(k, r) for k, r in zip(keys, rows, strict=True) if k not in known]
-            if not todo:
-                continue
-            write = Write(
-                i,
-                tuple(k for k, _r in todo),
-                tuple(r for _k, r in todo),
-                seq=self._next(),
-                given=True,
-            )
-            self._intents.append(write)
-            writes.append(write)
-        return writes
+        return self._writes.given(keys, rows)
 
     def read_into(
         self, keys: Sequence[bytes], rows: Sequence[int]
@@ -398,19 +382,10 @@ class Chain:
         reads settle).
         """
         tier_of = self.lower_of
-        held: list[bytes] = []
-        slots: list[int] = []
-        missing: list[bytes] = []
-        for k, r in zip(keys, rows, strict=True):
-            if tier_of(k) is None:
-                missing.append(k)
-            else:
-                held.append(k)
-                slots.append(r)
-        reads = self._reads.make(held, slots, tier_of, given=True) if held else []
-        for read in reads:
-            self._reads.issue(read)
-        return reads, tuple(missing)
+        held = [(k, r) for k, r in zip(keys, rows, strict=True) if tier_of(k) is not None]
+        missing = tuple(k for k in keys if tier_of(k) is None)
+        reads = self._reads.start([k for k, _r in held], [r for _k, r in held], tier_of, given=True)
+        return reads, missing
 
     def probe(self, index: int, keys: Sequence[bytes]) -> Probe:
         """Ask lower tier ``index`` which of ``keys`` it holds: the :class:`Probe` queued."""
@@ -435,10 +410,7 @@ class Chain:
 
     def write_back(self) -> int:
         """Hand every write-back tier the ready blocks it lacks (at close); how many."""
-        owed = self._write_back.at_close()
-        for index, keys in owed:
-            self._pin_and_write(index, keys)
-        return sum(len(keys) for _i, keys in owed)
+        return self._writes.at_close()
 
     def recovering(self, index: int) -> None:
         """Lower tier ``index`` refuses writes until its recovery ends (a
@@ -453,7 +425,7 @@ class Chain:
     def busy(self) -> bool:
         """Lookups wait on reads or probes, or reads, probes or writes are in flight."""
         return bool(
-            self._lookups.busy or self._intents or self._write_pins or self._write_back.busy
+            self._lookups.busy or self._intents or self._writes.pinned or self._write_back.busy
         )
 
     def take_intents(self) -> list[Intent]:
@@ -473,11 +445,11 @@ class Chain:
     def settle(self, outcome: Outcome) -> None:
         """Apply an outcome a driver handed back."""
         if isinstance(outcome, Written):
-            self._settle_write(outcome)
+            self._writes.settle(outcome)
         elif isinstance(outcome, ReadDone):
             promoted = self._reads.settle(outcome)
             if promoted:  # a promotion from a tier that promotes up
-                self._write_down(promoted, range(outcome.intent.tier), store=False)
+                self._writes.down(promoted, range(outcome.intent.tier), store=False)
         elif isinstance(outcome, Probed):
             self._lookups.probed(outcome)
         else:
@@ -507,7 +479,7 @@ class Chain:
             lookup_row_limit_misses=deadlines.row_limited,
             loads_declined=decision.declined,
             recompute_seconds_per_block=decision.recompute_s_per_block,
-            rows_held_by_writes=len(self._write_pins),
+            rows_held_by_writes=self._writes.pinned,
         )
 
     # -- reads ---------------------------------------------------------------------------
@@ -524,57 +496,8 @@ class Chain:
         if plan is None:
             return
         lookups.issued(plan.keys)
-        for read in self._reads.make(plan.keys, plan.slots, dict(wanted).__getitem__):
-            self._reads.issue(read, for_lookup=True)  # its blocks are lookup hits of that tier
-
-    # -- writes --------------------------------------------------------------------------
-
-    def _settle_write(self, done: Written) -> None:
-        write = done.intent
-        tier = self._lower[write.tier]
-        tier.learn(done.stored)
-        tier.forget(done.evicted)
-        self._write_back.orphaned(write.tier, done.evicted)
-        ok = [k for k in write.keys if k in done.stored]
-        tier.counts.written_blocks += len(ok)
-        tier.counts.write_failures += len(write.keys) - len(ok)
-        if write.given:
-            return  # a front's slots: no pin of the chain's
-        if not write.evicting:
-            self._unpin_written(write.keys)
-            return
-        for read in self._write_back.written(write):
-            self._reads.issue(read)  # held again if another of its rows is still written back
-
-    def _write_down(self, keys: Sequence[bytes], tiers: Iterable[int], *, store: bool) -> None:
-        """Write ready CPU blocks to ``tiers`` that lack them: rows pinned per write."""
-        for i in tiers:
-            tier = self._lower[i]
-            if store and not tier.spec.takes_stores:
-                continue
-            todo = [k for k in keys if k not in tier.known]
-            if not todo:
-                continue
-            if tier.spec.write_back:
-                self._write_back.owe(i, todo)  # written when evicted, or at close
-                continue
-            self._pin_and_write(i, todo)
-
-    def _pin_and_write(self, index: int, keys: Sequence[bytes]) -> None:
-        plan = self._cpu.prepare_load(keys)  # a pin held for the write, not a load
-        for k in keys:
-            self._write_pins[k] = self._write_pins.get(k, 0) + 1
-        self._intents.append(Write(index, plan.keys, plan.slots, seq=self._next()))
-
-    def _unpin_written(self, keys: Sequence[bytes]) -> None:
-        self._cpu.complete_load(keys)
-        pins = self._write_pins
-        for k in keys:
-            left = pins[k] - 1
-            if left:
-                pins[k] = left
-            else:
-                del pins[k]
+        # Its blocks are lookup hits of that tier.
+        self._reads.start(plan.keys, plan.slots, dict(wanted).__getitem__, for_lookup=True)
 
     # -- rows ----------------------------------------------------------------------------
 

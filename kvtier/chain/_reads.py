@@ -115,6 +115,21 @@ class Reads:
             for i in sorted(by_tier)
         ]
 
+    def start(
+        self,
+        keys: Sequence[bytes],
+        rows: Sequence[int],
+        tier_of: Callable[[bytes], int | None],
+        *,
+        given: bool = False,
+        for_lookup: bool = False,
+    ) -> list[Read]:
+        """Make and issue the reads of ``keys`` into ``rows`` (:meth:`make`, :meth:`issue`)."""
+        reads = self.make(keys, rows, tier_of, given=given) if keys else []
+        for read in reads:
+            self.issue(read, for_lookup=for_lookup)
+        return reads
+
     def issue(self, read: Read, since: float | None = None, *, for_lookup: bool = False) -> None:
         """Issue ``read``, or hold it while one of its rows is still being written back.
 
