@@ -312,6 +312,11 @@ async def test_two_engines_in_two_processes(valkey_cluster: ValkeyCluster) -> No
         assert await load_checked(engine, kv, keys) == 10  # byte for byte
 
 
+STALL_S = 30.0
+"""Far above what one call takes with a node dead (the client's bounds: 0.5 s a
+pipeline, 0.3 s a connect): past it, the call stalled."""
+
+
 async def test_node_killed_under_engine_traffic(private_cluster: ValkeyCluster) -> None:
     cluster = config_for(
         private_cluster,
@@ -328,13 +333,18 @@ async def test_node_killed_under_engine_traffic(private_cluster: ValkeyCluster) 
                 await asyncio.to_thread(private_cluster.kill, 0)
             keys = requests[(i * 5) % len(requests)]
             hits = engine.lookup(keys)
-            n = await load_checked(engine, kv, keys[:hits])  # never an error, never wrong
+            # Each call bounded: a stall fails here, naming the call, rather than
+            # as the suite's timeout with no task's stack.
+            async with asyncio.timeout(STALL_S):
+                n = await load_checked(engine, kv, keys[:hits])  # never an error, never wrong
             served["before" if i < 36 else "after"] += n
             if n < len(keys):
                 blocks = list(range(len(keys)))
                 put(kv, blocks, keys)
-                await engine.store(keys, blocks)
-        await engine.flush()
+                async with asyncio.timeout(STALL_S):
+                    await engine.store(keys, blocks)
+        async with asyncio.timeout(STALL_S):
+            await engine.flush()
         st = engine.statistics()
         assert st.tiers["cpu"].statistics.pinned == 0
         assert st.front.in_flight == 0
