@@ -382,10 +382,16 @@ class Chain:
         reads settle).
         """
         tier_of = self.lower_of
-        held = [(k, r) for k, r in zip(keys, rows, strict=True) if tier_of(k) is not None]
-        missing = tuple(k for k in keys if tier_of(k) is None)
-        reads = self._reads.start([k for k, _r in held], [r for _k, r in held], tier_of, given=True)
-        return reads, missing
+        held: list[bytes] = []
+        slots: list[int] = []
+        missing: list[bytes] = []
+        for k, r in zip(keys, rows, strict=True):  # one look per key: a front's hot path
+            if tier_of(k) is None:
+                missing.append(k)
+            else:
+                held.append(k)
+                slots.append(r)
+        return self._reads.start(held, slots, tier_of, given=True), tuple(missing)
 
     def probe(self, index: int, keys: Sequence[bytes]) -> Probe:
         """Ask lower tier ``index`` which of ``keys`` it holds: the :class:`Probe` queued."""

@@ -125,7 +125,7 @@ class Reads:
         for_lookup: bool = False,
     ) -> list[Read]:
         """Make and issue the reads of ``keys`` into ``rows`` (:meth:`make`, :meth:`issue`)."""
-        reads = self.make(keys, rows, tier_of, given=given) if keys else []
+        reads = self.make(keys, rows, tier_of, given=given)
         for read in reads:
             self.issue(read, for_lookup=for_lookup)
         return reads
